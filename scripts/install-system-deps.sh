@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Debian packages the tests need: a real Prometheus (and promtool) and a Compose parser.
+# Installs only what is missing; needs root or sudo the first time.
+set -euo pipefail
+
+missing=()
+command -v prometheus >/dev/null || missing+=(prometheus)
+command -v promtool >/dev/null || missing+=(prometheus)
+command -v docker-compose >/dev/null || missing+=(docker-compose)
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || { echo "need root or sudo to apt-get install ${missing[*]}" >&2; exit 1; }
+    sudo="sudo"
+fi
+packages=$(printf '%s\n' "${missing[@]}" | sort -u | tr '\n' ' ')
+echo "installing Debian packages: $packages"
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+# The prometheus package enables a system service; the tests start their own server.
+# policy-rc.d keeps the package from starting one during installation.
+if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' | $sudo tee /usr/sbin/policy-rc.d >/dev/null
+    $sudo chmod +x /usr/sbin/policy-rc.d
+    trap '$sudo rm -f /usr/sbin/policy-rc.d' EXIT
+fi
+# shellcheck disable=SC2086
+$sudo apt-get install -y -qq --no-install-recommends $packages

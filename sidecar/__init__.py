@@ -1,0 +1,1 @@
+"""lora-sidecar: stage LoRA adapters from S3 onto a GPU node for Triton + vLLM."""

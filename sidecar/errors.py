@@ -1,0 +1,161 @@
+"""The sidecar's error vocabulary: every failure a caller can see, with a stable code.
+
+`api.py` maps each class to an HTTP status in one table; the `code` is what clients match on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+class SidecarError(Exception):
+    """Base of every error the sidecar raises on purpose."""
+
+    code = "internal_error"
+
+    def __init__(self, message: str, *, adapter_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.adapter_id = adapter_id
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"error": self.code, "message": self.message}
+        if self.adapter_id is not None:
+            body["adapter_id"] = self.adapter_id
+        body.update(self.extra())
+        return body
+
+    def extra(self) -> Mapping[str, Any]:
+        return {}
+
+
+class ConfigError(SidecarError):
+    """Bad settings; carries every problem found, not just the first."""
+
+    code = "config_error"
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("invalid configuration:\n  - " + "\n  - ".join(self.problems))
+
+    def extra(self) -> Mapping[str, Any]:
+        return {"problems": self.problems}
+
+
+class BadRequest(SidecarError):
+    """The request itself is malformed: not JSON, wrong fields, wrong types."""
+
+    code = "invalid_request"
+
+
+class InvalidAdapterId(SidecarError):
+    code = "invalid_adapter_id"
+
+
+class Unauthorized(SidecarError):
+    code = "unauthorized"
+
+
+class AdapterNotFound(SidecarError):
+    """The registry has no adapter under this id."""
+
+    code = "adapter_not_found"
+
+
+class NotCached(SidecarError):
+    """The adapter exists (or may exist) in the registry but is not on local disk."""
+
+    code = "not_cached"
+
+
+class LeaseNotFound(SidecarError):
+    code = "lease_not_found"
+
+
+class AdapterInUse(SidecarError):
+    """Eviction refused: the adapter is pinned or leased."""
+
+    code = "adapter_in_use"
+
+    def __init__(self, message: str, *, adapter_id: str, pinned: bool, lease_ids: Sequence[str]):
+        super().__init__(message, adapter_id=adapter_id)
+        self.pinned = pinned
+        self.lease_ids = list(lease_ids)
+
+    def extra(self) -> Mapping[str, Any]:
+        return {"pinned": self.pinned, "leases": len(self.lease_ids)}
+
+
+class InvalidAdapter(SidecarError):
+    """Validation refused the adapter; `problems` lists every reason found."""
+
+    code = "invalid_adapter"
+
+    def __init__(self, adapter_id: str, problems: Sequence[Mapping[str, str]]) -> None:
+        self.problems = [dict(p) for p in problems]
+        summary = "; ".join(f"{p['file']}: {p['message']}" for p in self.problems[:5])
+        more = f" (+{len(self.problems) - 5} more)" if len(self.problems) > 5 else ""
+        super().__init__(
+            f"adapter {adapter_id} was refused by validation: {summary}{more}",
+            adapter_id=adapter_id,
+        )
+
+    def extra(self) -> Mapping[str, Any]:
+        return {"problems": self.problems}
+
+
+class SourceUnavailable(SidecarError):
+    """The registry could not be reached or did not answer in time (retryable)."""
+
+    code = "registry_unavailable"
+
+    def __init__(self, message: str, *, adapter_id: str | None = None, cause: str = "unknown"):
+        super().__init__(message, adapter_id=adapter_id)
+        self.cause = cause
+
+    def extra(self) -> Mapping[str, Any]:
+        return {"cause": self.cause}
+
+
+class SourceError(SidecarError):
+    """The registry answered, but with a refusal: credentials, permissions, missing bucket."""
+
+    code = "registry_error"
+
+    def __init__(self, message: str, *, adapter_id: str | None = None, cause: str = "unknown"):
+        super().__init__(message, adapter_id=adapter_id)
+        self.cause = cause
+
+    def extra(self) -> Mapping[str, Any]:
+        return {"cause": self.cause}
+
+
+class SourceChanged(SourceError):
+    """An object changed between listing and fetch (etag or size moved under us)."""
+
+    code = "registry_object_changed"
+
+
+class StageTimeout(SidecarError):
+    """The caller's `timeout_s` ran out; the download may go on for other callers."""
+
+    code = "stage_timeout"
+
+
+class CacheFull(SidecarError):
+    """The adapter cannot fit in the byte/count budget or on the disk."""
+
+    code = "cache_full"
+
+
+class CatalogPending(SidecarError):
+    """Staged, but the model server has not loaded a catalog that lists this adapter yet."""
+
+    code = "catalog_pending"
+
+
+class CatalogReloading(SidecarError):
+    """The model server is reloading its catalog; the adapter will be servable after it."""
+
+    code = "catalog_reloading"
