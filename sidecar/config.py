@@ -112,7 +112,7 @@ def _parse_optional_path(text: str) -> Path | None:
 def _parse_path(text: str) -> Path:
     if not text.strip():
         raise ValueError("must not be empty")
-    return Path(text).expanduser()
+    return Path(text).expanduser().absolute()
 
 
 @dataclass(frozen=True, slots=True)

@@ -159,3 +159,13 @@ class CatalogReloading(SidecarError):
     """The model server is reloading its catalog; the adapter will be servable after it."""
 
     code = "catalog_reloading"
+
+
+class CacheUnwritable(SidecarError):
+    """The cache volume refuses writes (read-only, permissions)."""
+
+    code = "cache_not_writable"
+
+
+class NotReady(SidecarError):
+    code = "not_ready"

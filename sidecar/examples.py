@@ -48,7 +48,7 @@ def adapter_config(
     }
 
 
-def _random_tensor(rng: np.random.Generator, shape: tuple[int, int], dtype: str) -> np.ndarray:
+def _random_tensor(rng: np.random.Generator, shape: tuple[int, int], dtype: str) -> np.ndarray[Any, Any]:
     values = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
     if dtype == "float32":
         return values
@@ -73,7 +73,7 @@ def write_adapter(
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}")
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    arrays: dict[str, np.ndarray] = {}
+    arrays: dict[str, np.ndarray[Any, Any]] = {}
     for layer in range(shapes.num_hidden_layers):
         for module in target_modules:
             dims = shapes.module_dims(module)

@@ -1,0 +1,376 @@
+"""HTTP API: thin aiohttp handlers over the stager and the store. Errors become JSON in one
+place (the middleware), with their status from one table.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from .config import Settings
+from .errors import (
+    AdapterInUse,
+    AdapterNotFound,
+    BadRequest,
+    CacheFull,
+    CacheUnwritable,
+    CatalogPending,
+    CatalogReloading,
+    ConfigError,
+    InvalidAdapter,
+    InvalidAdapterId,
+    LeaseNotFound,
+    NotCached,
+    NotReady,
+    SidecarError,
+    SourceChanged,
+    SourceError,
+    SourceUnavailable,
+    StageTimeout,
+    Unauthorized,
+)
+from .metrics import CONTENT_TYPE, Metrics
+from .stager import Stager, StageResult, check_adapter_id
+from .store import AdapterStore, CachedAdapter, iso_utc
+
+log = logging.getLogger(__name__)
+
+STATUS: dict[type[SidecarError], int] = {
+    BadRequest: 400,
+    InvalidAdapterId: 400,
+    ConfigError: 400,
+    Unauthorized: 401,
+    AdapterNotFound: 404,
+    NotCached: 404,
+    LeaseNotFound: 404,
+    AdapterInUse: 409,
+    InvalidAdapter: 422,
+    SourceChanged: 502,
+    SourceError: 502,
+    SourceUnavailable: 503,
+    CatalogPending: 503,
+    CatalogReloading: 503,
+    CacheUnwritable: 503,
+    NotReady: 503,
+    StageTimeout: 504,
+    CacheFull: 507,
+}
+
+_HTTP_CODES = {
+    400: "invalid_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+}
+
+
+def status_of(error: SidecarError) -> int:
+    for cls in type(error).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return 500
+
+
+class Readiness(Protocol):
+    def problems(self) -> list[str]: ...
+
+
+class CatalogView(Protocol):
+    def status(self) -> dict[str, Any]: ...
+
+    def check_servable(self, adapter_id: str) -> None: ...
+
+
+@dataclass(slots=True)
+class Services:
+    settings: Settings
+    store: AdapterStore
+    stager: Stager
+    metrics: Metrics
+    readiness: Readiness
+    purge_trash: Callable[[], None]
+    catalog: CatalogView | None = None
+
+
+SERVICES = web.AppKey("services", Services)
+
+
+# ---- request parsing -------------------------------------------------------------------
+
+_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    "stage": {"adapter_id": (str,), "timeout_s": (int, float), "lease": (bool,)},
+    "release": {"lease_id": (str,)},
+    "evict": {"adapter_id": (str,), "force": (bool,)},
+    "pin": {"adapter_id": (str,), "timeout_s": (int, float)},
+    "unpin": {"adapter_id": (str,)},
+}
+_REQUIRED = {"stage": "adapter_id", "release": "lease_id", "evict": "adapter_id",
+             "pin": "adapter_id", "unpin": "adapter_id"}
+
+
+async def _body(request: web.Request, kind: str) -> dict[str, Any]:
+    """The JSON object of a request, checked against the endpoint's fields and types."""
+    if request.content_type != "application/json":
+        # Strict on purpose: a browser cannot send this type cross-site without a preflight.
+        raise BadRequest(f"send JSON with 'Content-Type: application/json', not "
+                         f"{request.content_type!r}")
+    raw = await request.read()
+    try:
+        body = json.loads(raw or b"null")
+    except (ValueError, RecursionError):
+        raise BadRequest("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    fields = _FIELDS[kind]
+    unknown = sorted(set(body) - set(fields))
+    if unknown:
+        raise BadRequest(f"unknown field(s) {', '.join(map(repr, unknown))[:200]}; "
+                         f"expected {', '.join(fields)}")
+    required = _REQUIRED[kind]
+    if required not in body:
+        raise BadRequest(f"missing field {required!r}")
+    for name, value in body.items():
+        types = fields[name]
+        # bool is an int in Python; a number field must not accept true/false.
+        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+            raise BadRequest(f"field {name!r} must be of type {types[0].__name__}")
+    timeout = body.get("timeout_s")
+    if timeout is not None and not 0 < timeout <= 24 * 3600:
+        raise BadRequest("timeout_s must be greater than 0 and at most 86400")
+    return body
+
+
+def _authorize(request: web.Request) -> None:
+    token = request.app[SERVICES].settings.api_token
+    if token is None:
+        return
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given.strip().encode(), token.encode()
+    ):
+        raise Unauthorized("this endpoint needs 'Authorization: Bearer <token>' "
+                           "(the sidecar's --api-token)")
+
+
+def _services(request: web.Request) -> Services:
+    return request.app[SERVICES]
+
+
+def _stage_timeout(services: Services, body: Mapping[str, Any]) -> float:
+    return float(body.get("timeout_s") or services.settings.stage_timeout_s)
+
+
+# ---- views -------------------------------------------------------------------------------
+
+
+def adapter_view(services: Services, adapter: CachedAdapter) -> dict[str, Any]:
+    store = services.store
+    leases = store.leases_of(adapter.adapter_id)
+    return {
+        "adapter_id": adapter.adapter_id,
+        "path": str(services.settings.triton_root / "adapters" / adapter.adapter_id),
+        "local_path": str(store.path_of(adapter.adapter_id)),
+        "size_bytes": adapter.size_bytes,
+        "staged_at": iso_utc(adapter.record.staged_at),
+        "last_used": iso_utc(adapter.last_used),
+        "pinned": adapter.pinned,
+        "leases": len(leases),
+        "source": adapter.record.source,
+        "files": {name: f.size_bytes for name, f in sorted(adapter.record.files.items())},
+    }
+
+
+def _stage_view(services: Services, result: StageResult) -> dict[str, Any]:
+    adapter = result.adapter
+    return {
+        "adapter_id": adapter.adapter_id,
+        "path": str(services.settings.triton_root / "adapters" / adapter.adapter_id),
+        "local_path": str(services.store.path_of(adapter.adapter_id)),
+        "size_bytes": adapter.size_bytes,
+        "cached": result.cached,
+        "lease_id": result.lease.lease_id if result.lease else None,
+        "lease_expires_at": iso_utc(result.lease.expires_at) if result.lease else None,
+    }
+
+
+# ---- handlers ----------------------------------------------------------------------------
+
+
+async def stage(request: web.Request) -> web.Response:
+    services = _services(request)
+    body = await _body(request, "stage")
+    adapter_id = check_adapter_id(body["adapter_id"])
+    if services.catalog is not None:
+        services.catalog.check_servable(adapter_id)
+    result = await services.stager.stage(
+        adapter_id, timeout_s=_stage_timeout(services, body), lease=body.get("lease", True)
+    )
+    return web.json_response(_stage_view(services, result))
+
+
+async def release(request: web.Request) -> web.Response:
+    services = _services(request)
+    body = await _body(request, "release")
+    lease = services.store.release(body["lease_id"])
+    if services.store.trim():
+        services.purge_trash()
+    return web.json_response({"released": True, "adapter_id": lease.adapter_id})
+
+
+async def evict(request: web.Request) -> web.Response:
+    _authorize(request)
+    services = _services(request)
+    body = await _body(request, "evict")
+    adapter_id = check_adapter_id(body["adapter_id"])
+    eviction = services.store.evict(adapter_id, force=body.get("force", False))
+    services.purge_trash()
+    return web.json_response({
+        "adapter_id": adapter_id,
+        "freed_bytes": eviction.freed_bytes,
+        "reason": eviction.reason.value,
+        "broken_leases": eviction.broken_leases,
+    })
+
+
+async def pin(request: web.Request) -> web.Response:
+    _authorize(request)
+    services = _services(request)
+    body = await _body(request, "pin")
+    adapter_id = check_adapter_id(body["adapter_id"])
+    store = services.store
+    if not store.is_pinned(adapter_id):
+        pinned = sum(1 for a in store.adapters() if a.pinned)
+        if pinned >= store.max_adapters:
+            raise CacheFull(f"cannot pin {adapter_id}: {pinned} adapters are pinned already and "
+                            f"the budget is {store.max_adapters}", adapter_id=adapter_id)
+    result = await services.stager.stage(
+        adapter_id, timeout_s=_stage_timeout(services, body), lease=False
+    )
+    store.pin(adapter_id)  # no await since the stage returned: it is still cached
+    log.info("pinned adapter_id=%s", adapter_id)
+    return web.json_response(adapter_view(services, result.adapter))
+
+
+async def unpin(request: web.Request) -> web.Response:
+    _authorize(request)
+    services = _services(request)
+    body = await _body(request, "unpin")
+    adapter_id = check_adapter_id(body["adapter_id"])
+    was_pinned = services.store.unpin(adapter_id)
+    if was_pinned:
+        log.info("unpinned adapter_id=%s", adapter_id)
+        if services.store.trim():
+            services.purge_trash()
+    return web.json_response({"adapter_id": adapter_id, "was_pinned": was_pinned})
+
+
+async def list_adapters(request: web.Request) -> web.Response:
+    services = _services(request)
+    snap = services.store.snapshot()
+    return web.json_response({
+        "adapters": [adapter_view(services, a) for a in services.store.adapters()],
+        "cache": {
+            "bytes": snap.cache_bytes,
+            "adapters": snap.cache_adapters,
+            "max_bytes": snap.capacity_bytes,
+            "max_adapters": snap.capacity_adapters,
+            "pinned": snap.pinned_adapters,
+            "active_leases": snap.active_leases,
+        },
+        "staging": services.stager.inflight,
+    })
+
+
+async def get_adapter(request: web.Request) -> web.Response:
+    services = _services(request)
+    adapter_id = check_adapter_id(request.match_info["adapter_id"])
+    adapter = services.store.get(adapter_id)
+    if adapter is None:
+        raise NotCached(f"adapter {adapter_id} is not in the cache", adapter_id=adapter_id)
+    return web.json_response(adapter_view(services, adapter))
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    problems = _services(request).readiness.problems()
+    if problems:
+        return web.json_response(
+            {"error": "not_ready", "ready": False, "message": "; ".join(problems),
+             "problems": problems},
+            status=503,
+        )
+    return web.json_response({"ready": True})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = _services(request).metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def catalog(request: web.Request) -> web.Response:
+    services = _services(request)
+    if services.catalog is None:
+        return web.json_response({"enabled": False})
+    return web.json_response(services.catalog.status())
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+
+@web.middleware
+async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except SidecarError as exc:
+        status = status_of(exc)
+        if status >= 500:
+            log.warning("%s %s -> %d %s: %s", request.method, request.path, status, exc.code,
+                        exc.message)
+        return web.json_response(exc.to_json(), status=status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = _HTTP_CODES.get(exc.status, "http_error")
+        return web.json_response(
+            {"error": code, "message": exc.reason if exc.status != 413 else
+             f"the request body is larger than {request.app[SERVICES].settings.max_request_bytes}"
+             " bytes"},
+            status=exc.status,
+        )
+    except Exception:
+        log.exception("unexpected error in %s %s", request.method, request.path)
+        return web.json_response(
+            {"error": "internal_error", "message": "unexpected error; see the sidecar's log"},
+            status=500,
+        )
+
+
+def build_web_app(services: Services) -> web.Application:
+    app = web.Application(
+        middlewares=[error_middleware], client_max_size=services.settings.max_request_bytes
+    )
+    app[SERVICES] = services
+    app.router.add_post("/stage", stage)
+    app.router.add_post("/release", release)
+    app.router.add_post("/evict", evict)
+    app.router.add_post("/pin", pin)
+    app.router.add_post("/unpin", unpin)
+    app.router.add_get("/adapters", list_adapters)
+    app.router.add_get("/adapters/{adapter_id}", get_adapter)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/catalog", catalog)
+    return app

@@ -1,0 +1,283 @@
+"""Client commands (`stage`, `evict`, `ls`, `pin`, `unpin`, `prewarm`) that talk to a running
+sidecar over HTTP, and `validate`, which checks a local folder with the sidecar's rules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .config import LLAMA_TARGET_MODULES, is_valid_adapter_id
+
+DEFAULT_URL = "http://127.0.0.1:8500"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+Handler = Callable[[argparse.Namespace], int]
+
+
+class ClientError(Exception):
+    """The sidecar answered with an error, or could not be reached."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(body.get("message", "error"))
+        self.status = status
+        self.body = body
+
+
+def _request(args: argparse.Namespace, method: str, path: str,
+             body: dict[str, Any] | None = None, timeout_s: float = 30.0) -> dict[str, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(args.url.rstrip("/") + path, data=data, method=method)
+    request.add_header("Content-Type", "application/json")
+    token = args.token or os.environ.get("LORA_SIDECAR_API_TOKEN")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            parsed: dict[str, Any] = json.loads(response.read() or b"{}")
+            return parsed
+    except urllib.error.HTTPError as exc:
+        try:
+            payload = json.loads(exc.read() or b"{}")
+        except ValueError:
+            payload = {}
+        if not isinstance(payload, dict):
+            payload = {}
+        payload.setdefault("error", f"http_{exc.code}")
+        payload.setdefault("message", exc.reason)
+        raise ClientError(exc.code, payload) from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise ClientError(0, {"error": "unreachable",
+                              "message": f"cannot reach the sidecar at {args.url}: {reason}"}
+                          ) from None
+
+
+def _print(args: argparse.Namespace, payload: Any, text: str) -> None:
+    print(json.dumps(payload, indent=2) if args.json else text)
+
+
+def _fail(args: argparse.Namespace, error: ClientError) -> int:
+    if args.json:
+        print(json.dumps(error.body, indent=2))
+    else:
+        print(f"error: {error.body.get('error')}: {error.body.get('message')}", file=sys.stderr)
+        for problem in error.body.get("problems", []) or []:
+            if isinstance(problem, dict):
+                print(f"  - {problem.get('code')} {problem.get('file')}: "
+                      f"{problem.get('message')}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{n} B"
+
+
+def _check_ids(ids: list[str]) -> None:
+    bad = [i for i in ids if not is_valid_adapter_id(i)]
+    if bad:
+        print(f"error: invalid adapter id(s): {', '.join(map(repr, bad))}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+# ---- commands ------------------------------------------------------------------------------
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    _check_ids([args.adapter_id])
+    try:
+        answer = _request(args, "POST", "/stage",
+                          {"adapter_id": args.adapter_id, "timeout_s": args.timeout,
+                           "lease": False}, timeout_s=args.timeout + 5)
+    except ClientError as exc:
+        return _fail(args, exc)
+    state = "cached" if answer.get("cached") else "staged"
+    _print(args, answer, f"{state} {answer['adapter_id']} ({_human_bytes(answer['size_bytes'])}) "
+           f"at {answer['path']}")
+    return EXIT_OK
+
+
+def cmd_evict(args: argparse.Namespace) -> int:
+    _check_ids([args.adapter_id])
+    try:
+        answer = _request(args, "POST", "/evict",
+                          {"adapter_id": args.adapter_id, "force": args.force})
+    except ClientError as exc:
+        return _fail(args, exc)
+    broken = answer.get("broken_leases") or []
+    extra = f", broke {len(broken)} lease(s)" if broken else ""
+    _print(args, answer, f"evicted {args.adapter_id}, freed "
+           f"{_human_bytes(answer['freed_bytes'])}{extra}")
+    return EXIT_OK
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    try:
+        answer = _request(args, "GET", "/adapters")
+    except ClientError as exc:
+        return _fail(args, exc)
+    if args.json:
+        print(json.dumps(answer, indent=2))
+        return EXIT_OK
+    rows = [("ADAPTER", "SIZE", "PINNED", "LEASES", "LAST USED")]
+    for a in answer["adapters"]:
+        rows.append((a["adapter_id"], _human_bytes(a["size_bytes"]), "yes" if a["pinned"] else "",
+                     str(a["leases"]), a["last_used"]))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    cache = answer["cache"]
+    print(f"\n{cache['adapters']}/{cache['max_adapters']} adapters, "
+          f"{_human_bytes(cache['bytes'])} of {_human_bytes(cache['max_bytes'])}")
+    return EXIT_OK
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    _check_ids([args.adapter_id])
+    path = "/pin" if args.command == "pin" else "/unpin"
+    body: dict[str, Any] = {"adapter_id": args.adapter_id}
+    if args.command == "pin":
+        body["timeout_s"] = args.timeout
+    try:
+        answer = _request(args, "POST", path, body, timeout_s=args.timeout + 5)
+    except ClientError as exc:
+        return _fail(args, exc)
+    _print(args, answer, f"{args.command}ned {args.adapter_id}")
+    return EXIT_OK
+
+
+def cmd_prewarm(args: argparse.Namespace) -> int:
+    """Stage every id, then wait for readiness; exit 0 only if all of it worked."""
+    _check_ids(args.adapter_ids)
+    failed: list[str] = []
+    results: dict[str, Any] = {}
+    for adapter_id in args.adapter_ids:
+        try:
+            answer = _request(args, "POST", "/stage",
+                              {"adapter_id": adapter_id, "timeout_s": args.timeout,
+                               "lease": False}, timeout_s=args.timeout + 5)
+        except ClientError as exc:
+            failed.append(adapter_id)
+            results[adapter_id] = exc.body
+            if not args.json:
+                print(f"FAILED {adapter_id}: {exc.body.get('error')}: "
+                      f"{exc.body.get('message')}", file=sys.stderr)
+            continue
+        results[adapter_id] = answer
+        if not args.json:
+            state = "cached" if answer.get("cached") else "staged"
+            print(f"{state:6} {adapter_id} ({_human_bytes(answer['size_bytes'])})")
+    ready, reason = _wait_ready(args)
+    if args.json:
+        print(json.dumps({"results": results, "failed": failed, "ready": ready,
+                          "reason": reason}, indent=2))
+    elif not ready:
+        print(f"sidecar not ready: {reason}", file=sys.stderr)
+    else:
+        print(f"ready: {len(args.adapter_ids) - len(failed)}/{len(args.adapter_ids)} staged")
+    return EXIT_OK if ready and not failed else EXIT_FAILED
+
+
+def _wait_ready(args: argparse.Namespace) -> tuple[bool, str]:
+    deadline = time.monotonic() + args.ready_timeout
+    reason = "no answer"
+    while True:
+        try:
+            _request(args, "GET", "/readyz", timeout_s=5)
+            return True, ""
+        except ClientError as exc:
+            reason = str(exc.body.get("message"))
+        if time.monotonic() >= deadline:
+            return False, reason
+        time.sleep(0.5)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from .shapes import ModelShapes
+    from .validate import Rules, run_validate
+
+    try:
+        shapes = ModelShapes.from_file(args.base_model_config) if args.base_model_config else None
+    except (OSError, ValueError) as exc:
+        print(f"error: --base-model-config: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    modules = [m.strip() for m in args.allowed_target_modules.split(",") if m.strip()]
+    rules = Rules(max_lora_rank=args.max_lora_rank, allowed_target_modules=frozenset(modules),
+                  base_model=args.base_model, shapes=shapes)
+    if not args.path.is_dir():
+        print(f"error: {args.path} is not a folder", file=sys.stderr)
+        return EXIT_USAGE
+    return run_validate(args.path, rules, as_json=args.json, out=sys.stdout)
+
+
+# ---- argument parsing ----------------------------------------------------------------------
+
+
+def _client_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
+                   help_text: str, handler: Handler) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(name, help=help_text, description=help_text)
+    parser.add_argument("--url", default=os.environ.get("LORA_SIDECAR_URL", DEFAULT_URL),
+                        help=f"the sidecar's address [LORA_SIDECAR_URL; default {DEFAULT_URL}]")
+    parser.add_argument("--token", default=None,
+                        help="bearer token for mutating calls [LORA_SIDECAR_API_TOKEN]")
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = _client_parser(subparsers, "stage", "stage an adapter (download it if needed)", cmd_stage)
+    p.add_argument("adapter_id")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default 600)")
+    p = _client_parser(subparsers, "evict", "remove an adapter from the cache", cmd_evict)
+    p.add_argument("adapter_id")
+    p.add_argument("--force", action="store_true",
+                   help="evict even if pinned or leased (breaks the leases)")
+    _client_parser(subparsers, "ls", "list cached adapters", cmd_ls)
+    for name, text in (("pin", "stage an adapter and keep it from eviction"),
+                       ("unpin", "let a pinned adapter be evicted again")):
+        p = _client_parser(subparsers, name, text, cmd_pin)
+        p.add_argument("adapter_id")
+        p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait")
+    p = _client_parser(subparsers, "prewarm",
+                       "stage a list of adapters and wait until the sidecar is ready; exit 0 only "
+                       "when every adapter is staged", cmd_prewarm)
+    p.add_argument("adapter_ids", nargs="+", metavar="ADAPTER_ID")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait per adapter")
+    p.add_argument("--ready-timeout", type=float, default=60.0,
+                   help="seconds to wait for /readyz after staging (default 60)")
+
+
+def add_validate_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "validate", help="check a local adapter folder with the sidecar's rules",
+        description="Check a local adapter folder with the same rules the sidecar applies "
+        "before publishing; exit 0 if valid, 1 with every problem listed if not.",
+    )
+    p.add_argument("path", type=Path)
+    p.add_argument("--max-lora-rank", type=int, default=16, help="default 16")
+    p.add_argument("--allowed-target-modules", default=",".join(LLAMA_TARGET_MODULES),
+                   help="comma-separated (default: the Llama family's projections)")
+    p.add_argument("--base-model", default=None,
+                   help="require base_model_name_or_path to equal this")
+    p.add_argument("--base-model-config", type=Path, default=None,
+                   help="the base model's config.json: check tensor shapes against it")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    p.set_defaults(handler=cmd_validate)
+
+
+def run(args: argparse.Namespace) -> int:
+    handler: Handler = args.handler
+    return handler(args)

@@ -1,0 +1,124 @@
+"""A local folder as the registry (the embedded default): `<root>/<adapter_id>/<file>`.
+
+Files are copied with the same transfer code as S3 objects, so staging behaves the same;
+nothing outside the root is ever read, symbolic links included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import stat
+from collections.abc import AsyncGenerator, Callable
+from pathlib import Path
+
+from .config import is_valid_adapter_id
+from .errors import AdapterNotFound, SourceChanged, SourceUnavailable
+from .source import FetchedFile, Listing, RemoteFile, is_safe_file_name
+from .transfer import TransferPolicy, download
+
+log = logging.getLogger(__name__)
+READ_CHUNK_BYTES = 1024 * 1024
+
+
+class LocalSource:
+    def __init__(self, root: Path, policy: TransferPolicy) -> None:
+        self.root = root
+        self.description = str(root)
+        self._policy = policy
+
+    async def open(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def probe(self) -> None:
+        if not await asyncio.to_thread(self.root.is_dir):
+            raise SourceUnavailable(
+                f"the registry folder {self.root} does not exist", cause="missing_folder"
+            )
+
+    async def list_adapter_ids(self) -> list[str]:
+        await self.probe()
+        return await asyncio.to_thread(self._scan_ids)
+
+    def _scan_ids(self) -> list[str]:
+        ids = []
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False) and is_valid_adapter_id(entry.name):
+                    ids.append(entry.name)
+        return sorted(ids)
+
+    async def list_files(self, adapter_id: str) -> Listing:
+        await self.probe()
+        return await asyncio.to_thread(self._scan_files, adapter_id)
+
+    def _scan_files(self, adapter_id: str) -> Listing:
+        folder = self.root / adapter_id
+        try:
+            mode = os.lstat(folder).st_mode
+        except FileNotFoundError:
+            mode = 0
+        if not stat.S_ISDIR(mode):  # a symlinked adapter folder is not followed either
+            raise AdapterNotFound(
+                f"no adapter {adapter_id!r} in the registry folder {self.root}",
+                adapter_id=adapter_id,
+            )
+        files: list[RemoteFile] = []
+        unsafe: list[str] = []
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                st = entry.stat(follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode) or not is_safe_file_name(entry.name):
+                    kind = "symbolic link" if entry.is_symlink() else (
+                        "folder" if entry.is_dir(follow_symlinks=False) else "name")
+                    unsafe.append(f"{entry.name} ({kind})" if kind != "name" else entry.name)
+                    continue
+                files.append(
+                    RemoteFile(entry.name, st.st_size, f"{st.st_mtime_ns}-{st.st_size}",
+                               entry.path)
+                )
+        if not files and not unsafe:
+            raise AdapterNotFound(
+                f"the registry folder {folder} is empty", adapter_id=adapter_id
+            )
+        return Listing(sorted(files, key=lambda f: f.name), sorted(unsafe))
+
+    async def fetch(
+        self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None]
+    ) -> FetchedFile:
+        try:
+            fd = await asyncio.to_thread(
+                os.open, file.locator, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+            )
+        except OSError as exc:
+            raise SourceChanged(
+                f"{file.locator} vanished or became a link before it was copied ({exc.strerror})",
+                adapter_id=adapter_id, cause="object_changed",
+            ) from exc
+        try:
+            st = os.fstat(fd)
+            if f"{st.st_mtime_ns}-{st.st_size}" != file.etag:
+                raise SourceChanged(
+                    f"{file.locator} changed between listing and copy", adapter_id=adapter_id,
+                    cause="object_changed",
+                )
+
+            async def fetch_range(start: int, end: int) -> AsyncGenerator[bytes, None]:
+                offset = start
+                while offset < end:
+                    length = min(READ_CHUNK_BYTES, end - offset)
+                    chunk = await asyncio.to_thread(os.pread, fd, length, offset)
+                    if not chunk:
+                        raise SourceChanged(f"{file.locator} shrank while it was copied",
+                                            adapter_id=adapter_id, cause="object_changed")
+                    offset += len(chunk)
+                    yield chunk
+
+            digest = await download(fetch_range, dest, file.size_bytes, self._policy, on_bytes)
+        finally:
+            os.close(fd)
+        return FetchedFile(digest, None)

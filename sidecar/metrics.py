@@ -1,0 +1,140 @@
+"""Every Prometheus metric of the sidecar, on a registry passed in; cache gauges are read from
+the store when scraped, so they cannot drift from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# 1 ms .. 10 min: a hit is a millisecond, a cold 671 MB adapter on a slow link minutes.
+STAGE_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)
+AGE_BUCKETS_S = (1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 86400.0, 7 * 86400.0)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSnapshot:
+    """What the store reports at scrape time."""
+
+    cache_bytes: int
+    cache_adapters: int
+    capacity_bytes: int
+    capacity_adapters: int
+    pinned_adapters: int
+    active_leases: int
+
+
+class SnapshotSource(Protocol):
+    def snapshot(self) -> CacheSnapshot: ...
+
+
+class _StoreCollector(Collector):
+    def __init__(self, source: SnapshotSource) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._source.snapshot()
+        gauges = (
+            ("cache_bytes", "Bytes of published adapters on the cache volume.", snap.cache_bytes),
+            ("cache_adapters", "Published adapters on the cache volume.", snap.cache_adapters),
+            ("cache_capacity_bytes", "Byte budget of the cache.", snap.capacity_bytes),
+            ("cache_capacity_adapters", "Adapter budget of the cache.", snap.capacity_adapters),
+            ("pinned_adapters", "Adapters that are never evicted.", snap.pinned_adapters),
+            ("active_leases", "Leases handed out and not yet released or expired.",
+             snap.active_leases),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(f"lora_sidecar_{name}", doc, value=value)
+
+
+class Metrics:
+    """The sidecar's metrics. `app.py` makes one per process; tests make their own."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = True):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.stage_requests = Counter(
+            "lora_sidecar_stage_requests", "Stage requests by result (hit, miss, error).",
+            ["result"], registry=r,
+        )
+        self.stage_duration = Histogram(
+            "lora_sidecar_stage_duration_seconds", "Time to answer a stage request.",
+            ["result"], buckets=STAGE_BUCKETS_S, registry=r,
+        )
+        self.download_bytes = Counter(
+            "lora_sidecar_download_bytes", "Bytes downloaded from the registry.", registry=r,
+        )
+        self.download_duration = Histogram(
+            "lora_sidecar_download_duration_seconds",
+            "Time to download one adapter (all its files).",
+            buckets=STAGE_BUCKETS_S, registry=r,
+        )
+        self.inflight_downloads = Gauge(
+            "lora_sidecar_inflight_downloads", "Adapters being downloaded now.", registry=r,
+        )
+        self.evictions = Counter(
+            "lora_sidecar_evictions", "Adapters removed from the cache, by reason "
+            "(lru, manual, forced, external).", ["reason"], registry=r,
+        )
+        self.age_at_eviction = Histogram(
+            "lora_sidecar_adapter_age_at_eviction_seconds",
+            "Time between staging an adapter and evicting it.",
+            buckets=AGE_BUCKETS_S, registry=r,
+        )
+        self.validation_failures = Counter(
+            "lora_sidecar_validation_failures", "Problems found in refused adapters, by code.",
+            ["reason"], registry=r,
+        )
+        self.registry_errors = Counter(
+            "lora_sidecar_registry_errors", "Failed registry calls, by operation.",
+            ["operation"], registry=r,
+        )
+        self.leases_expired = Counter(
+            "lora_sidecar_leases_expired", "Leases that ran out before being released.",
+            registry=r,
+        )
+        self.quarantined = Counter(
+            "lora_sidecar_quarantined", "Folders moved aside because they were not valid.",
+            registry=r,
+        )
+        self.catalog_adapters = Gauge(
+            "lora_sidecar_catalog_adapters", "Adapter ids in the rendered multi_lora.json.",
+            registry=r,
+        )
+        self.triton_reloads = Counter(
+            "lora_sidecar_triton_reloads", "Reloads of the vLLM model asked of Triton, by outcome.",
+            ["outcome"], registry=r,
+        )
+        for result in ("hit", "miss", "error"):
+            self.stage_requests.labels(result=result)
+        for reason in ("lru", "manual", "forced", "external"):
+            self.evictions.labels(reason=reason)
+        if process:
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+            GCCollector(registry=r)
+
+    def watch_store(self, source: SnapshotSource) -> None:
+        self.registry.register(_StoreCollector(source))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

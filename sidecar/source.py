@@ -1,0 +1,308 @@
+"""The registry: where adapters come from. The `AdapterSource` protocol, and its S3
+implementation (the only module that imports aiobotocore; botocore errors stop here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import posixpath
+import re
+from collections.abc import AsyncGenerator, Callable
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from aiobotocore.config import AioConfig
+from aiobotocore.session import get_session
+from botocore import exceptions as bce
+
+from .config import Settings, is_valid_adapter_id
+from .errors import (
+    AdapterNotFound,
+    SidecarError,
+    SourceChanged,
+    SourceError,
+    SourceUnavailable,
+)
+from .transfer import TransferPolicy, download
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteFile:
+    """One file of an adapter as the registry lists it."""
+
+    name: str  # plain file name inside the adapter folder
+    size_bytes: int
+    etag: str  # what must not change between listing and fetch
+    locator: str  # S3 key or local path
+
+
+@dataclass(frozen=True, slots=True)
+class FetchedFile:
+    sha256: str  # digest of the bytes written
+    registry_sha256: str | None  # the registry's own full-object SHA-256, when it keeps one
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    files: list[RemoteFile]
+    unsafe_names: list[str]  # keys that would leave the adapter folder: never fetched
+
+
+class AdapterSource(Protocol):
+    description: str
+
+    async def list_adapter_ids(self) -> list[str]: ...
+
+    async def list_files(self, adapter_id: str) -> Listing:
+        """Raises AdapterNotFound when the registry has nothing under this id."""
+        ...
+
+    async def fetch(
+        self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None]
+    ) -> FetchedFile: ...
+
+    async def probe(self) -> None:
+        """Raise a SidecarError if the registry cannot be used right now."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-][A-Za-z0-9._ -]{0,254}$")
+
+
+def is_safe_file_name(name: str) -> bool:
+    """A plain name that stays inside its folder: no separators, no `..`, no absolute path."""
+    return (
+        bool(_NAME_RE.fullmatch(name))
+        and name not in (".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and posixpath.basename(name) == name
+    )
+
+
+class S3Source:
+    """Adapters under s3://bucket/prefix/<adapter_id>/<file>."""
+
+    def __init__(self, settings: Settings, policy: TransferPolicy, on_error: Callable[[str], None]):
+        location = settings.registry.removeprefix("s3://")
+        bucket, _, prefix = location.partition("/")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.description = f"s3://{bucket}/{self.prefix}"
+        self._settings = settings
+        self._policy = policy
+        self._on_error = on_error
+        self._stack = AsyncExitStack()
+        self._client: Any = None
+        attempts = settings.s3_max_attempts
+        # One call, botocore's own retries included, never waits longer than this.
+        self._call_timeout_s = (
+            (settings.s3_connect_timeout_s + settings.s3_read_timeout_s) * attempts + 20.0
+        )
+
+    async def open(self) -> None:
+        session = get_session()
+        region = self._settings.s3_region or session.get_config_variable("region") or "us-east-1"
+        config = AioConfig(
+            connect_timeout=self._settings.s3_connect_timeout_s,
+            read_timeout=self._settings.s3_read_timeout_s,
+            retries={"max_attempts": self._settings.s3_max_attempts, "mode": "standard"},
+            max_pool_connections=self._settings.download_concurrency + 4,
+            response_checksum_validation="when_required",
+        )
+        self._client = await self._stack.enter_async_context(
+            session.create_client(
+                "s3",
+                region_name=region,
+                endpoint_url=self._settings.s3_endpoint_url,
+                config=config,
+            )
+        )
+
+    async def close(self) -> None:
+        await self._stack.aclose()
+
+    async def probe(self) -> None:
+        await self._call("probe", None, self._client.list_objects_v2,
+                         Bucket=self.bucket, Prefix=self.prefix, MaxKeys=1)
+
+    async def list_adapter_ids(self) -> list[str]:
+        ids: list[str] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix,
+                                      "Delimiter": "/"}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = await self._call("list", None, self._client.list_objects_v2, **kwargs)
+            for common in page.get("CommonPrefixes", []):
+                adapter_id = common["Prefix"][len(self.prefix):].rstrip("/")
+                if is_valid_adapter_id(adapter_id):
+                    ids.append(adapter_id)
+                else:
+                    log.warning("ignoring registry folder with an invalid adapter id: %r",
+                                adapter_id)
+            if not page.get("IsTruncated"):
+                return sorted(ids)
+            token = page.get("NextContinuationToken")
+
+    async def list_files(self, adapter_id: str) -> Listing:
+        folder = f"{self.prefix}{adapter_id}/"
+        files: list[RemoteFile] = []
+        unsafe: list[str] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": folder}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = await self._call("list", adapter_id, self._client.list_objects_v2, **kwargs)
+            for obj in page.get("Contents", []):
+                name = obj["Key"][len(folder):]
+                if name == "" and obj["Size"] == 0:
+                    continue  # a "folder marker" some tools create
+                if not is_safe_file_name(name):
+                    unsafe.append(name)
+                    continue
+                files.append(RemoteFile(name, int(obj["Size"]), obj["ETag"], obj["Key"]))
+            if not page.get("IsTruncated"):
+                break
+            token = page.get("NextContinuationToken")
+        if not files and not unsafe:
+            raise AdapterNotFound(
+                f"no adapter {adapter_id!r} in the registry {self.description} "
+                f"(nothing under {folder})",
+                adapter_id=adapter_id,
+            )
+        return Listing(sorted(files, key=lambda f: f.name), unsafe)
+
+    async def fetch(
+        self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None]
+    ) -> FetchedFile:
+        checksum: list[str | None] = [None]
+
+        async def fetch_range(start: int, end: int) -> AsyncGenerator[bytes, None]:
+            whole = start == 0 and end == file.size_bytes
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": file.locator,
+                                      "IfMatch": file.etag}
+            if whole:
+                kwargs["ChecksumMode"] = "ENABLED"
+            else:
+                kwargs["Range"] = f"bytes={start}-{end - 1}"
+            response = await self._call("get", adapter_id, self._client.get_object, **kwargs)
+            body = response["Body"]
+            async with body:
+                if int(response.get("ContentLength", -1)) != end - start:
+                    raise SourceChanged(
+                        f"{file.locator}: the registry answered {response.get('ContentLength')} "
+                        f"bytes for a range of {end - start}; the object changed",
+                        adapter_id=adapter_id, cause="size_changed",
+                    )
+                if whole:
+                    checksum[0] = _full_object_sha256(response)
+                while True:
+                    try:
+                        async with asyncio.timeout(self._settings.s3_read_timeout_s + 1):
+                            chunk = await body.read(256 * 1024)
+                    except (bce.BotoCoreError, TimeoutError, OSError) as exc:
+                        raise self._translate(exc, "get", adapter_id) from exc
+                    if not chunk:
+                        return
+                    yield chunk
+
+        needs_head = file.size_bytes > self._policy.part_size_bytes
+        head_task = (
+            asyncio.create_task(self._call("head", adapter_id, self._client.head_object,
+                                           Bucket=self.bucket, Key=file.locator,
+                                           IfMatch=file.etag, ChecksumMode="ENABLED"))
+            if needs_head else None
+        )
+        try:
+            digest = await download(fetch_range, dest, file.size_bytes, self._policy, on_bytes)
+            if head_task is not None:
+                checksum[0] = _full_object_sha256(await head_task)
+        finally:
+            if head_task is not None and not head_task.done():
+                head_task.cancel()
+                await asyncio.gather(head_task, return_exceptions=True)
+        return FetchedFile(digest, checksum[0])
+
+    async def _call(
+        self, operation: str, adapter_id: str | None, method: Any, **kwargs: Any
+    ) -> Any:
+        try:
+            async with asyncio.timeout(self._call_timeout_s):
+                return await method(**kwargs)
+        except (bce.BotoCoreError, bce.ClientError, TimeoutError, OSError) as exc:
+            raise self._translate(exc, operation, adapter_id) from exc
+
+    def _translate(
+        self, exc: BaseException, operation: str, adapter_id: str | None
+    ) -> SidecarError:
+        self._on_error(operation)
+        where = self.description
+        if isinstance(exc, bce.ClientError):
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                        "InvalidToken", "TokenRefreshRequired"):
+                return SourceError(f"the registry {where} refused the credentials ({code}): "
+                                   "check the AWS credential chain", adapter_id=adapter_id,
+                                   cause="credentials")
+            if code in ("AccessDenied", "AllAccessDisabled") or status == 403:
+                return SourceError(f"access denied to {where} ({code or status}): check the "
+                                   "credentials' permissions on the bucket",
+                                   adapter_id=adapter_id, cause="permission")
+            if code == "NoSuchBucket":
+                return SourceError(f"the bucket {self.bucket!r} does not exist at "
+                                   f"{self._endpoint()}", adapter_id=adapter_id, cause="bucket")
+            if code in ("PreconditionFailed", "NoSuchKey") or status in (404, 412):
+                return SourceChanged(f"an object of {adapter_id} changed or vanished in "
+                                     f"{where} while it was being fetched ({code or status})",
+                                     adapter_id=adapter_id, cause="object_changed")
+            if status >= 500 or code in ("SlowDown", "InternalError", "ServiceUnavailable"):
+                return SourceUnavailable(f"the registry {where} failed ({code or status}) "
+                                         f"after {self._settings.s3_max_attempts} attempts",
+                                         adapter_id=adapter_id, cause="server")
+            return SourceError(f"the registry {where} refused {operation} ({code or status}): "
+                               f"{exc}", adapter_id=adapter_id, cause="refused")
+        if isinstance(exc, bce.NoCredentialsError | bce.PartialCredentialsError):
+            return SourceError("no usable AWS credentials: set AWS_ACCESS_KEY_ID and "
+                               "AWS_SECRET_ACCESS_KEY, a profile, or an instance role",
+                               adapter_id=adapter_id, cause="credentials")
+        if isinstance(exc, bce.ConnectTimeoutError | bce.ReadTimeoutError | TimeoutError):
+            return SourceUnavailable(f"the registry {where} at {self._endpoint()} did not answer "
+                                     f"in time ({operation})", adapter_id=adapter_id,
+                                     cause="timeout")
+        if isinstance(exc, bce.EndpointConnectionError | bce.ConnectionClosedError):
+            return SourceUnavailable(f"cannot connect to the registry endpoint "
+                                     f"{self._endpoint()}: {exc}", adapter_id=adapter_id,
+                                     cause="endpoint")
+        if isinstance(exc, bce.IncompleteReadError):
+            return SourceUnavailable(f"the registry {where} sent a body shorter than its "
+                                     f"Content-Length", adapter_id=adapter_id, cause="short_body")
+        return SourceUnavailable(f"the connection to the registry {where} failed "
+                                 f"({type(exc).__name__}: {exc})", adapter_id=adapter_id,
+                                 cause="connection")
+
+    def _endpoint(self) -> str:
+        return self._settings.s3_endpoint_url or "AWS S3"
+
+
+def _full_object_sha256(response: dict[str, Any]) -> str | None:
+    """The registry's SHA-256 of the whole object, as hex; None for composite (multipart)
+    checksums, which are a hash of part hashes and cannot be compared with ours."""
+    value = response.get("ChecksumSHA256")
+    if not value or "-" in value or response.get("ChecksumType") == "COMPOSITE":
+        return None
+    try:
+        return base64.b64decode(value, validate=True).hex()
+    except ValueError:
+        return None

@@ -1,0 +1,562 @@
+"""The disk cache: index of published adapters, LRU order, leases, budget, publish and evict.
+
+State changes happen only on the event loop and only together with the one `rename()` that
+makes them true on disk, so the index and the folder under `adapters/` never disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from .config import is_valid_adapter_id
+from .errors import AdapterInUse, CacheFull, LeaseNotFound, NotCached
+from .metrics import CacheSnapshot, Metrics
+
+log = logging.getLogger(__name__)
+
+RECORD_NAME = ".sidecar.json"
+RECORD_MAX_BYTES = 1024 * 1024
+RECORD_FORMAT = 1
+
+
+class EvictReason(Enum):
+    LRU = "lru"
+    MANUAL = "manual"
+    FORCED = "forced"
+    EXTERNAL = "external"
+
+
+def iso_utc(unix_s: float) -> str:
+    return datetime.fromtimestamp(unix_s, UTC).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class FileRecord:
+    size_bytes: int
+    etag: str
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRecord:
+    """What `.sidecar.json` says about a published folder."""
+
+    adapter_id: str
+    source: str
+    staged_at: float
+    files: Mapping[str, FileRecord]
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(f.size_bytes for f in self.files.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": RECORD_FORMAT,
+            "adapter_id": self.adapter_id,
+            "source": self.source,
+            "size_bytes": self.size_bytes,
+            "staged_at": iso_utc(self.staged_at),
+            "staged_at_unix": self.staged_at,
+            "files": {
+                name: {"size_bytes": f.size_bytes, "etag": f.etag, "sha256": f.sha256}
+                for name, f in sorted(self.files.items())
+            },
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> AdapterRecord:
+        """Parse a record; ValueError says what is wrong with it."""
+        if not isinstance(data, dict) or data.get("format") != RECORD_FORMAT:
+            raise ValueError("not a record of a known format")
+        files_raw = data.get("files")
+        if not isinstance(files_raw, dict) or not files_raw:
+            raise ValueError("no files listed")
+        files = {}
+        for name, entry in files_raw.items():
+            if not isinstance(entry, dict):
+                raise ValueError(f"bad entry for {name!r}")
+            size, etag, sha = entry.get("size_bytes"), entry.get("etag"), entry.get("sha256")
+            if not (isinstance(size, int) and size >= 0 and isinstance(etag, str)
+                    and isinstance(sha, str) and len(sha) == 64):
+                raise ValueError(f"bad entry for {name!r}")
+            files[name] = FileRecord(size, etag, sha)
+        adapter_id, source, staged_at = (
+            data.get("adapter_id"), data.get("source"), data.get("staged_at_unix"),
+        )
+        if not (isinstance(adapter_id, str) and isinstance(source, str)
+                and isinstance(staged_at, int | float)):
+            raise ValueError("missing adapter_id, source or staged_at")
+        return cls(adapter_id, source, float(staged_at), files)
+
+
+@dataclass(slots=True)
+class CachedAdapter:
+    record: AdapterRecord
+    last_used: float
+    pinned: bool = False
+
+    @property
+    def adapter_id(self) -> str:
+        return self.record.adapter_id
+
+    @property
+    def size_bytes(self) -> int:
+        return self.record.size_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    lease_id: str
+    adapter_id: str
+    expires_at: float  # unix seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    adapter_id: str
+    freed_bytes: int
+    reason: EvictReason
+    broken_leases: list[str]
+
+
+@dataclass(slots=True)
+class Reservation:
+    adapter_id: str
+    size_bytes: int
+
+
+@dataclass(slots=True)
+class RecoveryReport:
+    adopted: list[str] = field(default_factory=list)
+    quarantined: dict[str, str] = field(default_factory=dict)  # folder name -> reason
+
+
+class AdapterStore:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        max_bytes: int,
+        max_adapters: int,
+        min_free_bytes: int,
+        lease_ttl_s: float,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.root = root
+        self.adapters_dir = root / "adapters"
+        self.staging_dir = root / ".staging"
+        self.trash_dir = root / ".trash"
+        self.quarantine_dir = root / ".quarantine"
+        self.max_bytes = max_bytes
+        self.max_adapters = max_adapters
+        self.min_free_bytes = min_free_bytes
+        self.lease_ttl_s = lease_ttl_s
+        self._metrics = metrics
+        self._clock = clock
+        self._index: OrderedDict[str, CachedAdapter] = OrderedDict()  # LRU first
+        self._leases: dict[str, Lease] = {}
+        self._leases_by_adapter: dict[str, set[str]] = {}
+        self._claims: dict[str, int] = {}  # callers waiting to lease an adapter being staged
+        self._reservations: list[Reservation] = []
+        self._pins: set[str] = set()
+        self._trash_pending: list[Path] = []
+
+    # ---- start-up ----------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Create the layout and empty `.staging/` and `.trash/` (blocking: run in a thread)."""
+        for folder in (self.adapters_dir, self.staging_dir, self.trash_dir):
+            folder.mkdir(parents=True, exist_ok=True)
+        for folder in (self.staging_dir, self.trash_dir):
+            for entry in list(folder.iterdir()):
+                _remove_tree(entry)
+
+    def scan(self, check: Callable[[Path, AdapterRecord], list[str]]) -> tuple[
+        list[AdapterRecord], RecoveryReport
+    ]:
+        """Read every published folder's record (blocking: run in a thread).
+
+        `check` returns the problems of a folder (validation); a folder without a valid
+        record, with files that disagree with it, or with problems is quarantined.
+        """
+        report = RecoveryReport()
+        records = []
+        for entry in sorted(self.adapters_dir.iterdir()):
+            try:
+                record = self.read_record(entry)
+                problems = check(entry, record)
+                if problems:
+                    raise ValueError("; ".join(problems))
+            except ValueError as exc:
+                self.quarantine(entry, str(exc))
+                report.quarantined[entry.name] = str(exc)
+                continue
+            records.append(record)
+            report.adopted.append(record.adapter_id)
+        return records, report
+
+    def read_record(self, folder: Path) -> AdapterRecord:
+        """The folder's record, checked against the files present (stat only, no hashing)."""
+        if folder.is_symlink() or not folder.is_dir():
+            raise ValueError("not a folder")
+        if not is_valid_adapter_id(folder.name):
+            raise ValueError("not a valid adapter id")
+        try:
+            with open(folder / RECORD_NAME, "rb") as f:
+                raw = f.read(RECORD_MAX_BYTES + 1)
+        except FileNotFoundError:
+            raise ValueError(f"no {RECORD_NAME} record") from None
+        except OSError as exc:
+            raise ValueError(f"cannot read {RECORD_NAME}: {exc.strerror}") from None
+        if len(raw) > RECORD_MAX_BYTES:
+            raise ValueError(f"{RECORD_NAME} is too large")
+        try:
+            record = AdapterRecord.from_json(json.loads(raw))
+        except ValueError as exc:
+            raise ValueError(f"{RECORD_NAME} is not valid: {exc}") from None
+        if record.adapter_id != folder.name:
+            raise ValueError(f"{RECORD_NAME} names another adapter ({record.adapter_id!r})")
+        present = {}
+        for entry in os.scandir(folder):
+            if entry.name == RECORD_NAME:
+                continue
+            st = entry.stat(follow_symlinks=False)
+            present[entry.name] = st.st_size if entry.is_file(follow_symlinks=False) else -1
+        expected = {name: f.size_bytes for name, f in record.files.items()}
+        if present != expected:
+            raise ValueError(f"files on disk differ from {RECORD_NAME}")
+        return record
+
+    def install(self, records: Iterable[AdapterRecord]) -> None:
+        """Put recovered records into the index, oldest staged first (the LRU order)."""
+        for record in sorted(records, key=lambda r: r.staged_at):
+            self._index[record.adapter_id] = CachedAdapter(
+                record, last_used=record.staged_at, pinned=record.adapter_id in self._pins
+            )
+
+    def quarantine(self, folder: Path, reason: str) -> Path:
+        """Move a folder out of `adapters/` for an operator to inspect (blocking, a rename)."""
+        self.quarantine_dir.mkdir(parents=True, exist_ok=True)
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+        target = self.quarantine_dir / f"{folder.name}.{stamp}.{secrets.token_hex(3)}"
+        os.rename(folder, target)
+        self._metrics.quarantined.inc()
+        log.warning("quarantined adapter folder %s -> %s: %s", folder.name, target, reason)
+        return target
+
+    # ---- lookups -----------------------------------------------------------------------
+
+    def get(self, adapter_id: str) -> CachedAdapter | None:
+        return self._index.get(adapter_id)
+
+    def adapters(self) -> list[CachedAdapter]:
+        """Every cached adapter, most recently used first."""
+        return list(reversed(self._index.values()))
+
+    def path_of(self, adapter_id: str) -> Path:
+        return self.adapters_dir / adapter_id
+
+    def leases_of(self, adapter_id: str) -> list[Lease]:
+        return [self._leases[i] for i in self._leases_by_adapter.get(adapter_id, ())]
+
+    def is_pinned(self, adapter_id: str) -> bool:
+        return adapter_id in self._pins
+
+    def snapshot(self) -> CacheSnapshot:
+        return CacheSnapshot(
+            cache_bytes=sum(a.size_bytes for a in self._index.values()),
+            cache_adapters=len(self._index),
+            capacity_bytes=self.max_bytes,
+            capacity_adapters=self.max_adapters,
+            pinned_adapters=sum(1 for a in self._index.values() if a.pinned),
+            active_leases=len(self._leases),
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(a.size_bytes for a in self._index.values())
+
+    # ---- hit path: lookup, LRU touch, lease ---------------------------------------------
+
+    def lease(self, adapter_id: str) -> Lease:
+        """Touch and lease a cached adapter (KeyError if it is not cached)."""
+        adapter = self._index[adapter_id]
+        now = self._clock()
+        adapter.last_used = now
+        self._index.move_to_end(adapter_id)
+        lease = Lease(secrets.token_hex(16), adapter_id, now + self.lease_ttl_s)
+        self._leases[lease.lease_id] = lease
+        self._leases_by_adapter.setdefault(adapter_id, set()).add(lease.lease_id)
+        return lease
+
+    def touch(self, adapter_id: str) -> None:
+        adapter = self._index[adapter_id]
+        adapter.last_used = self._clock()
+        self._index.move_to_end(adapter_id)
+
+    def release(self, lease_id: str) -> Lease:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            raise LeaseNotFound(f"no live lease {lease_id!r} (released or expired already)")
+        self._drop_lease_ref(lease)
+        return lease
+
+    def expire_leases(self) -> list[Lease]:
+        now = self._clock()
+        expired = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        for lease in expired:
+            del self._leases[lease.lease_id]
+            self._drop_lease_ref(lease)
+            self._metrics.leases_expired.inc()
+            log.info("lease expired lease_id=%s adapter_id=%s", lease.lease_id, lease.adapter_id)
+        return expired
+
+    def next_lease_expiry(self) -> float | None:
+        return min((lease.expires_at for lease in self._leases.values()), default=None)
+
+    def _drop_lease_ref(self, lease: Lease) -> None:
+        ids = self._leases_by_adapter.get(lease.adapter_id)
+        if ids is not None:
+            ids.discard(lease.lease_id)
+            if not ids:
+                del self._leases_by_adapter[lease.adapter_id]
+
+    # ---- claims: a caller that will lease an adapter once its stage finishes ------------
+
+    def claim(self, adapter_id: str) -> None:
+        self._claims[adapter_id] = self._claims.get(adapter_id, 0) + 1
+
+    def unclaim(self, adapter_id: str) -> None:
+        left = self._claims.get(adapter_id, 0) - 1
+        if left > 0:
+            self._claims[adapter_id] = left
+        else:
+            self._claims.pop(adapter_id, None)
+
+    def is_protected(self, adapter_id: str) -> bool:
+        """Never evicted to make room: pinned, leased, or about to be leased."""
+        return (
+            adapter_id in self._pins
+            or adapter_id in self._leases_by_adapter
+            or adapter_id in self._claims
+        )
+
+    # ---- pins --------------------------------------------------------------------------
+
+    def pin(self, adapter_id: str) -> None:
+        self._pins.add(adapter_id)
+        if adapter_id in self._index:
+            self._index[adapter_id].pinned = True
+
+    def unpin(self, adapter_id: str) -> bool:
+        was = adapter_id in self._pins
+        self._pins.discard(adapter_id)
+        if adapter_id in self._index:
+            self._index[adapter_id].pinned = False
+        return was
+
+    # ---- budget ------------------------------------------------------------------------
+
+    def reserve(self, adapter_id: str, size_bytes: int) -> Reservation:
+        """Hold room for a download, or raise CacheFull saying why it cannot fit.
+
+        Room is counted against the budget minus what can never be evicted (pinned or
+        leased adapters) and minus other downloads in progress; nothing is evicted here.
+        """
+        held = [a for a in self._index.values() if self.is_protected(a.adapter_id)]
+        held_bytes = sum(a.size_bytes for a in held)
+        others = [r for r in self._reservations if r.adapter_id != adapter_id]
+        reserved_bytes = sum(r.size_bytes for r in others)
+        room_bytes = self.max_bytes - held_bytes - reserved_bytes
+        if size_bytes > room_bytes:
+            raise CacheFull(
+                f"adapter {adapter_id} needs {size_bytes} bytes but only {max(room_bytes, 0)} "
+                f"of the {self.max_bytes}-byte budget can be made free ({held_bytes} bytes are "
+                f"held by {len(held)} pinned or leased adapters, {reserved_bytes} by downloads "
+                "in progress)",
+                adapter_id=adapter_id,
+            )
+        if len(held) + len(others) + 1 > self.max_adapters:
+            raise CacheFull(
+                f"adapter {adapter_id} cannot fit: the budget is {self.max_adapters} adapters "
+                f"and {len(held)} are pinned or leased, {len(others)} more are downloading",
+                adapter_id=adapter_id,
+            )
+        self._make_disk_room(adapter_id, size_bytes + reserved_bytes)
+        reservation = Reservation(adapter_id, size_bytes)
+        self._reservations.append(reservation)
+        return reservation
+
+    def unreserve(self, reservation: Reservation) -> None:
+        if reservation in self._reservations:
+            self._reservations.remove(reservation)
+
+    def _make_disk_room(self, adapter_id: str, needed_bytes: int) -> None:
+        """Evict LRU adapters until the disk holds `needed_bytes` above the free-space floor."""
+        while True:
+            free = shutil.disk_usage(self.root).free - self.min_free_bytes
+            if needed_bytes <= free:
+                return
+            victim = self._lru_victim()
+            if victim is None:
+                raise CacheFull(
+                    f"adapter {adapter_id} needs {needed_bytes} bytes on disk but the cache "
+                    f"filesystem has {max(free, 0)} bytes free above the "
+                    f"{self.min_free_bytes}-byte floor, and nothing more can be evicted",
+                    adapter_id=adapter_id,
+                )
+            self._evict_now(victim, EvictReason.LRU)
+
+    def trim(self) -> list[Eviction]:
+        """Evict least recently used adapters until the cache is within its budget."""
+        evicted = []
+        while len(self._index) > self.max_adapters or self.total_bytes > self.max_bytes:
+            victim = self._lru_victim()
+            if victim is None:
+                break  # what is left is pinned or leased; trimmed again on release
+            evicted.append(self._evict_now(victim, EvictReason.LRU))
+        return evicted
+
+    def _lru_victim(self) -> str | None:
+        for adapter_id in self._index:
+            if not self.is_protected(adapter_id):
+                return adapter_id
+        return None
+
+    # ---- publish and evict -------------------------------------------------------------
+
+    def new_staging_dir(self, adapter_id: str) -> Path:
+        path = self.staging_dir / f"{adapter_id}.{secrets.token_hex(6)}"
+        path.mkdir(mode=0o755)
+        return path
+
+    def publish(self, staging: Path, record: AdapterRecord) -> CachedAdapter:
+        """Rename a complete, fsynced, validated staging folder into place and index it.
+
+        The caller fsyncs the files and the staging folder first, and `adapters/` after.
+        """
+        final = self.path_of(record.adapter_id)
+        if final.exists():
+            # Left by someone else (an operator copy the watcher has not seen yet): ours is
+            # validated; theirs goes to quarantine rather than being overwritten in place.
+            self.quarantine(final, "replaced by a fresh stage")
+        os.rename(staging, final)
+        adapter = CachedAdapter(record, last_used=self._clock(),
+                                pinned=record.adapter_id in self._pins)
+        self._index[record.adapter_id] = adapter
+        return adapter
+
+    def adopt(self, record: AdapterRecord) -> CachedAdapter:
+        """Index a folder that appeared under `adapters/` and passed validation."""
+        adapter = CachedAdapter(record, last_used=self._clock(),
+                                pinned=record.adapter_id in self._pins)
+        self._index[record.adapter_id] = adapter
+        self._index.move_to_end(record.adapter_id, last=False)  # oldest: first to go
+        return adapter
+
+    def evict(self, adapter_id: str, *, force: bool) -> Eviction:
+        """Operator eviction: refused while pinned or leased unless forced."""
+        if adapter_id not in self._index:
+            raise NotCached(f"adapter {adapter_id} is not in the cache", adapter_id=adapter_id)
+        leases = sorted(self._leases_by_adapter.get(adapter_id, ()))
+        pinned = adapter_id in self._pins
+        if (leases or pinned or adapter_id in self._claims) and not force:
+            why = []
+            if pinned:
+                why.append("pinned")
+            if leases:
+                why.append(f"held by {len(leases)} live lease(s)")
+            if adapter_id in self._claims:
+                why.append("about to be leased")
+            raise AdapterInUse(
+                f"adapter {adapter_id} is {' and '.join(why)}; pass force=true to evict anyway",
+                adapter_id=adapter_id, pinned=pinned, lease_ids=leases,
+            )
+        for lease_id in leases:
+            self._drop_lease_ref(self._leases.pop(lease_id))
+        if force and pinned:
+            self.unpin(adapter_id)
+        reason = EvictReason.FORCED if (leases or pinned) else EvictReason.MANUAL
+        eviction = self._evict_now(adapter_id, reason)
+        return Eviction(adapter_id, eviction.freed_bytes, reason, leases)
+
+    def forget(self, adapter_id: str) -> CachedAdapter | None:
+        """The folder vanished outside the sidecar: drop it from the index."""
+        adapter = self._index.pop(adapter_id, None)
+        if adapter is None:
+            return None
+        for lease_id in sorted(self._leases_by_adapter.get(adapter_id, ())):
+            self._drop_lease_ref(self._leases.pop(lease_id))
+        self._count_eviction(adapter, EvictReason.EXTERNAL)
+        return adapter
+
+    def _evict_now(self, adapter_id: str, reason: EvictReason) -> Eviction:
+        adapter = self._index.pop(adapter_id)
+        target = self.trash_dir / f"{adapter_id}.{secrets.token_hex(6)}"
+        try:
+            # One rename: readers see the whole folder or nothing, never half of it.
+            os.rename(self.path_of(adapter_id), target)
+            self._trash_pending.append(target)
+        except FileNotFoundError:
+            reason = EvictReason.EXTERNAL
+        self._count_eviction(adapter, reason)
+        return Eviction(adapter_id, adapter.size_bytes, reason, [])
+
+    def _count_eviction(self, adapter: CachedAdapter, reason: EvictReason) -> None:
+        self._metrics.evictions.labels(reason=reason.value).inc()
+        self._metrics.age_at_eviction.observe(max(0.0, self._clock() - adapter.record.staged_at))
+        log.info("evicted adapter_id=%s bytes=%d reason=%s", adapter.adapter_id,
+                 adapter.size_bytes, reason.value)
+
+    def take_trash(self) -> list[Path]:
+        """Folders renamed into `.trash/` since the last call, for deletion off the loop."""
+        pending, self._trash_pending = self._trash_pending, []
+        return pending
+
+
+def _remove_tree(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a staging or trash folder (blocking: run in a thread)."""
+    _remove_tree(path)
+
+
+def write_record(folder: Path, record: AdapterRecord) -> None:
+    """Write `.sidecar.json` into a folder, fsynced (blocking: run in a thread)."""
+    path = folder / RECORD_NAME
+    data = json.dumps(record.to_json(), indent=2).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

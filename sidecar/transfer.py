@@ -1,0 +1,231 @@
+"""Download one object into a pre-sized file: parallel ranged parts written with positional
+writes, SHA-256 computed in order while later parts still stream, retries per part.
+
+Knows nothing of S3: the source hands in `fetch_range`, an async iterator of body chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import logging
+import os
+import random
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import SourceUnavailable
+
+log = logging.getLogger(__name__)
+
+FetchRange = Callable[[int, int], AsyncGenerator[bytes, None]]
+"""fetch_range(start, end) yields the object's bytes [start, end) in chunks; it raises
+SourceUnavailable for transient faults (retried here) and other SidecarErrors for final ones."""
+
+WRITE_CHUNK_BYTES = 1024 * 1024  # bytes gathered before one pwrite: few thread hops, small RAM
+HASH_CHUNK_BYTES = 4 * 1024 * 1024
+BACKOFF_BASE_S = 0.2
+BACKOFF_CAP_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class TransferPolicy:
+    part_size_bytes: int
+    attempts: int
+    limiter: asyncio.Semaphore  # shared by every download of the process
+
+
+def backoff_s(attempt: int) -> float:
+    """Capped exponential backoff with full jitter (attempt counts from 1)."""
+    return random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (attempt - 1)))
+
+
+class _Progress:
+    """Which bytes are on disk: per part, how far its contiguous prefix reaches."""
+
+    def __init__(self, size_bytes: int, part_size_bytes: int) -> None:
+        self.starts = list(range(0, size_bytes, part_size_bytes)) or [0]
+        self.ends = [min(s + part_size_bytes, size_bytes) for s in self.starts]
+        self.done_upto = list(self.starts)
+        self.changed = asyncio.Event()
+
+    def advance(self, part: int, offset: int) -> None:
+        self.done_upto[part] = offset
+        self.changed.set()
+
+    def contiguous_end(self) -> int:
+        """Offset below which every byte is written."""
+        for part, end in enumerate(self.ends):
+            if self.done_upto[part] < end:
+                return self.done_upto[part]
+        return self.ends[-1]
+
+
+async def download(
+    fetch_range: FetchRange,
+    dest: Path,
+    size_bytes: int,
+    policy: TransferPolicy,
+    on_bytes: Callable[[int], None] = lambda _: None,
+) -> str:
+    """Write the object to `dest` (created, pre-sized) and return its SHA-256 hex digest.
+
+    The file is fsynced before returning. On any error the partial file is left for the caller
+    to delete with its staging folder.
+    """
+    fd = await asyncio.to_thread(_open_presized, dest, size_bytes)
+    try:
+        progress = _Progress(size_bytes, policy.part_size_bytes)
+        hasher = asyncio.create_task(_hash_in_order(dest, size_bytes, progress))
+        parts = [
+            asyncio.create_task(_fetch_part(fetch_range, fd, i, progress, policy, on_bytes))
+            for i in range(len(progress.starts))
+        ]
+        try:
+            await asyncio.gather(*parts)
+            digest = await hasher
+        finally:
+            for task in (*parts, hasher):
+                task.cancel()
+            await asyncio.gather(*parts, hasher, return_exceptions=True)
+        await asyncio.to_thread(os.fsync, fd)
+        return digest
+    finally:
+        os.close(fd)
+
+
+def _open_presized(dest: Path, size_bytes: int) -> int:
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        if size_bytes > 0:
+            try:
+                # Reserves the blocks now: a full disk fails here, before any byte is fetched.
+                os.posix_fallocate(fd, 0, size_bytes)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(fd, size_bytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+async def _fetch_part(
+    fetch_range: FetchRange,
+    fd: int,
+    part: int,
+    progress: _Progress,
+    policy: TransferPolicy,
+    on_bytes: Callable[[int], None],
+) -> None:
+    start, end = progress.starts[part], progress.ends[part]
+    offset = start
+    attempt = 0
+    while offset < end:
+        attempt += 1
+        try:
+            async with policy.limiter:
+                offset = await _stream_into(fetch_range, fd, part, offset, end, progress, on_bytes)
+        except SourceUnavailable as exc:
+            offset = progress.done_upto[part]
+            if attempt >= policy.attempts:
+                raise
+            delay = backoff_s(attempt)
+            log.debug("retrying part %d from byte %d in %.2fs: %s", part, offset, delay, exc)
+            await asyncio.sleep(delay)
+        else:
+            if offset < end:  # a body that ended early without an error: resume the range
+                if attempt >= policy.attempts:
+                    raise SourceUnavailable(
+                        f"the registry sent {offset - start} of {end - start} bytes of a range",
+                        cause="short_body",
+                    )
+
+
+async def _stream_into(
+    fetch_range: FetchRange,
+    fd: int,
+    part: int,
+    offset: int,
+    end: int,
+    progress: _Progress,
+    on_bytes: Callable[[int], None],
+) -> int:
+    """Stream [offset, end) to disk; return how far it got. Progress survives a failure."""
+    buffer = bytearray()
+    chunks = fetch_range(offset, end)
+    try:
+        async for chunk in chunks:
+            if offset + len(buffer) + len(chunk) > end:
+                raise SourceUnavailable(
+                    "the registry sent more bytes than the range asked for", cause="long_body"
+                )
+            buffer += chunk
+            if len(buffer) >= WRITE_CHUNK_BYTES:
+                offset = await _flush(fd, buffer, offset, part, progress, on_bytes)
+    except SourceUnavailable:
+        if buffer:  # keep what arrived: the retry resumes after it
+            await _flush(fd, buffer, offset, part, progress, on_bytes)
+        raise
+    finally:
+        await chunks.aclose()
+    if buffer:
+        offset = await _flush(fd, buffer, offset, part, progress, on_bytes)
+    return offset
+
+
+async def _flush(
+    fd: int,
+    buffer: bytearray,
+    offset: int,
+    part: int,
+    progress: _Progress,
+    on_bytes: Callable[[int], None],
+) -> int:
+    data = bytes(buffer)
+    buffer.clear()
+    await asyncio.to_thread(_pwrite_all, fd, data, offset)
+    offset += len(data)
+    progress.advance(part, offset)
+    on_bytes(len(data))
+    return offset
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view = view[written:]
+        offset += written
+
+
+async def _hash_in_order(path: Path, size_bytes: int, progress: _Progress) -> str:
+    """Hash bytes as soon as every byte before them is on disk (read back from the page
+    cache), so the digest is ready moments after the last part lands."""
+    digest = hashlib.sha256()
+    hashed = 0
+    read_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        while hashed < size_bytes:
+            ready = progress.contiguous_end()
+            if ready <= hashed:
+                progress.changed.clear()
+                if progress.contiguous_end() <= hashed:
+                    await progress.changed.wait()
+                continue
+            length = min(ready - hashed, HASH_CHUNK_BYTES)
+            await asyncio.to_thread(_hash_range, read_fd, digest, hashed, length)
+            hashed += length
+    finally:
+        os.close(read_fd)
+    return digest.hexdigest()
+
+
+def _hash_range(fd: int, digest: hashlib._Hash, offset: int, length: int) -> None:
+    data = os.pread(fd, length, offset)
+    if len(data) != length:
+        raise OSError(f"short read at byte {offset} while hashing")
+    digest.update(data)
