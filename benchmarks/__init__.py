@@ -1,0 +1,1 @@
+"""Benchmarks of lora-sidecar against the alternatives; run with `benchmarks/run.sh`."""

