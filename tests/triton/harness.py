@@ -1,0 +1,197 @@
+"""A real `tritonserver` for tests, from the nvidia-pytriton wheel: its own backend directory
+(the Python backend plus the CPU stand-in installed as backend `vllm`), a copy of triton_repo
+whose catalog link points at the test's cache, free ports, explicit model control.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TRITON_REPO = REPO_ROOT / "triton_repo"
+STANDIN_DIR = Path(__file__).resolve().parent / "standin_vllm"
+CATALOG_LINK = Path("vllm_model") / "1" / "multi_lora.json"
+ROUTER = "multilora_router"
+VLLM_MODEL = "vllm_model"
+
+
+def pytriton_dir() -> Path:
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("nvidia-pytriton is not installed (pip install -e '.[test]')")
+    return Path(next(iter(spec.submodule_search_locations))) / "tritonserver"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def build_backends(dest: Path) -> Path:
+    """Copies, not links: Triton refuses a backend library whose real path leaves the dir."""
+    source = pytriton_dir()
+    python_dir = dest / "python"
+    python_dir.mkdir(parents=True)
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        shutil.copy2(source / "backends" / "python" / name, python_dir / name)
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    shutil.copy2(source / "python_backend_stubs" / version / "triton_python_backend_stub",
+                 python_dir / "triton_python_backend_stub")
+    vllm_dir = dest / "vllm"
+    vllm_dir.mkdir()
+    for name in ("model.py", "answer.py"):
+        shutil.copy2(STANDIN_DIR / name, vllm_dir / name)
+    return dest
+
+
+def copy_model_repository(dest: Path, catalog_path: Path) -> Path:
+    """triton_repo as checked in, but for the one link to the catalog the sidecar renders."""
+    shutil.copytree(TRITON_REPO, dest, symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    link = dest / CATALOG_LINK
+    link.unlink()
+    link.symlink_to(catalog_path)
+    return dest
+
+
+def router_config(sidecar_url: str, **parameters: str) -> str:
+    """The router's checked-in config.pbtxt as JSON with other parameter values, for a load
+    with a config override (so the files stay as checked in)."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = model_config_pb2.ModelConfig()
+    text_format.Parse((TRITON_REPO / ROUTER / "config.pbtxt").read_text(), config)
+    for key, value in {"sidecar_url": sidecar_url, **parameters}.items():
+        config.parameters[key].string_value = value
+    return json_format.MessageToJson(config, preserving_proto_field_name=True)
+
+
+@dataclass
+class TritonServer:
+    process: subprocess.Popen[bytes]
+    http_port: int
+    grpc_port: int
+    log_path: Path
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @classmethod
+    def start(cls, workdir: Path, catalog_path: Path, *, env: Mapping[str, str] | None = None,
+              ready_timeout_s: float = 60.0) -> TritonServer:
+        backends = build_backends(workdir / "backends")
+        repository = copy_model_repository(workdir / "model_repository", catalog_path)
+        libs = pytriton_dir().parent.parent / "nvidia_pytriton.libs"
+        child_env = dict(os.environ)
+        # The stub finds its packages through the first python3 on PATH, and it embeds
+        # libpython, which lives in the interpreter's LIBDIR.
+        child_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{child_env.get('PATH', '')}"
+        child_env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            p for p in (str(libs), sysconfig.get_config_var("LIBDIR"),
+                        child_env.get("LD_LIBRARY_PATH")) if p
+        )
+        child_env.update(env or {})
+        http_port, grpc_port = free_port(), free_port()
+        log_path = workdir / "tritonserver.log"
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                [
+                    str(pytriton_dir() / "bin" / "tritonserver"),
+                    f"--model-repository={repository}",
+                    f"--backend-directory={backends}",
+                    "--model-control-mode=explicit",
+                    f"--http-port={http_port}",
+                    f"--grpc-port={grpc_port}",
+                    "--allow-metrics=false",
+                    "--exit-timeout-secs=2",
+                    "--log-verbose=0",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=child_env,
+                start_new_session=True,
+            )
+        server = cls(process, http_port, grpc_port, log_path)
+        try:
+            server._wait_ready(ready_timeout_s)
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited ({self.process.returncode}):\n"
+                                   + self.log_tail())
+            try:
+                with urllib.request.urlopen(self.http_url + "/v2/health/ready", timeout=1):
+                    return
+            except (urllib.error.URLError, OSError):
+                time.sleep(0.05)  # polling a starting process: there is no event to wait on
+        raise TimeoutError(f"tritonserver not ready after {timeout_s} s:\n" + self.log_tail())
+
+    def _post(self, path: str, body: Mapping[str, Any] | None = None,
+              timeout_s: float = 120.0) -> None:
+        request = urllib.request.Request(self.http_url + path, method="POST",
+                                         data=json.dumps(body or {}).encode())
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s):
+                return
+        except urllib.error.HTTPError as exc:
+            with exc:
+                detail = exc.read().decode("utf-8", "replace")
+            raise RuntimeError(f"POST {path}: {exc.code} {detail}\n" + self.log_tail()) from None
+
+    def load(self, model: str, config_json: str | None = None) -> None:
+        body = {"parameters": {"config": config_json}} if config_json else None
+        self._post(f"/v2/repository/models/{model}/load", body)
+
+    def unload(self, model: str) -> None:
+        self._post(f"/v2/repository/models/{model}/unload")
+
+    def model_states(self) -> dict[str, str]:
+        request = urllib.request.Request(self.http_url + "/v2/repository/index", method="POST",
+                                         data=b"{}")
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return {m["name"]: m.get("state", "") for m in json.loads(response.read())}
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                # The stubs are in the server's session; end them with it.
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)

@@ -1,0 +1,423 @@
+"""The router's logic without Triton: routing.py against a stub sidecar on a real socket."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import socket
+import sys
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from tests.triton.harness import ROUTER, TRITON_REPO
+
+
+def _load_routing() -> ModuleType:
+    path = TRITON_REPO / ROUTER / "1" / "routing.py"
+    spec = importlib.util.spec_from_file_location("multilora_routing", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    # No __pycache__ inside the checked-in model repository.
+    saved, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.dont_write_bytecode = saved
+    return module
+
+
+routing = _load_routing()
+Status = routing.Status
+
+
+@dataclass
+class StubSidecar:
+    """Answers /stage from a queue of (status, body) replies; records every call."""
+
+    url: str = ""
+    stage_replies: list[tuple[int, Any]] = field(default_factory=list)
+    release_reply: tuple[int, Any] = (200, {"released": True, "adapter_id": "a1"})
+    staged: list[dict[str, Any]] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+    stall: asyncio.Event | None = None
+
+    async def stage(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.staged.append(body)
+        if self.stall is not None:
+            await self.stall.wait()
+        status, reply = self.stage_replies.pop(0) if self.stage_replies else (200, None)
+        if reply is None:
+            reply = lease_body(body["adapter_id"])
+        if isinstance(reply, str):
+            return web.Response(status=status, text=reply)
+        return web.json_response(reply, status=status)
+
+    async def release(self, request: web.Request) -> web.Response:
+        self.released.append((await request.json())["lease_id"])
+        status, reply = self.release_reply
+        return web.json_response(reply, status=status)
+
+
+def lease_body(adapter_id: str) -> dict[str, Any]:
+    return {"adapter_id": adapter_id, "path": f"/lora-cache/adapters/{adapter_id}",
+            "local_path": f"/cache/adapters/{adapter_id}", "size_bytes": 10, "cached": False,
+            "lease_id": f"lease-{adapter_id}", "lease_expires_at": "2030-01-01T00:00:00.000Z"}
+
+
+def error_body(code: str, message: str, **extra: Any) -> dict[str, Any]:
+    return {"error": code, "message": message, **extra}
+
+
+@pytest.fixture
+async def stub() -> AsyncIterator[StubSidecar]:
+    sidecar = StubSidecar()
+    app = web.Application()
+    app.router.add_post("/stage", sidecar.stage)
+    app.router.add_post("/release", sidecar.release)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    sidecar.url = f"http://127.0.0.1:{port}"
+    yield sidecar
+    if sidecar.stall is not None:
+        sidecar.stall.set()
+    await runner.cleanup()
+
+
+@dataclass
+class FakeVllm:
+    """What the BLS call would do: record the request, yield pieces or fail."""
+
+    pieces: Iterable[str] = ("hello", " world")
+    error: Exception | None = None
+    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    def __call__(self, prompt: str, sampling_json: str) -> Iterator[str]:
+        self.calls.append((prompt, json.loads(sampling_json)))
+        if self.error is not None:
+            raise self.error
+        yield from self.pieces
+
+
+def client(stub: StubSidecar, **overrides: Any) -> Any:
+    settings = routing.RouterSettings(sidecar_url=stub.url, **overrides)
+    return routing.SidecarClient(settings)
+
+
+async def route(stub: StubSidecar, vllm: FakeVllm, adapter_id: str = "a1",
+                sampling: str | None = None, sidecar: Any = None,
+                warn: Callable[[str], None] = lambda message: None) -> str:
+    result: str = await asyncio.to_thread(
+        routing.route, "Say hi", adapter_id, sampling, sidecar or client(stub), vllm,
+        "vllm_model", warn,
+    )
+    return result
+
+
+async def route_error(stub: StubSidecar, vllm: FakeVllm, **kwargs: Any) -> Any:
+    with pytest.raises(routing.RouteError) as caught:
+        await route(stub, vllm, **kwargs)
+    return caught.value
+
+
+# ---- the happy path ------------------------------------------------------------------------
+
+
+async def test_route_stages_generates_joins_and_releases(stub: StubSidecar) -> None:
+    vllm = FakeVllm(pieces=["one", " two", " three"])
+
+    text = await route(stub, vllm)
+
+    assert text == "one two three"
+    assert stub.staged[0]["adapter_id"] == "a1"
+    assert 0 < stub.staged[0]["timeout_s"] <= 300
+    assert vllm.calls == [("Say hi", {"temperature": 0, "max_tokens": 256, "lora_name": "a1"})]
+    assert stub.released == ["lease-a1"]
+
+
+async def test_sampling_parameters_merge_over_the_defaults(stub: StubSidecar) -> None:
+    vllm = FakeVllm()
+
+    await route(stub, vllm, sampling=json.dumps({"max_tokens": 5, "top_p": 0.9, "stop": ["\n"]}))
+
+    assert vllm.calls[0][1] == {"temperature": 0, "max_tokens": 5, "top_p": 0.9, "stop": ["\n"],
+                                "lora_name": "a1"}
+
+
+# ---- requests refused before anything is staged -------------------------------------------
+
+
+@pytest.mark.parametrize(("sampling", "expected"), [
+    ('{"max_token": 5}', "unknown key 'max_token'"),
+    ('{"lora_name": "other"}', "lora_name is set by the router"),
+    ('{"temperature": "hot"}', "temperature must be a number"),
+    ('{"max_tokens": true}', "max_tokens must be an integer, not a boolean"),
+    ('{"max_tokens": 2.5}', "max_tokens must be an integer"),
+    ("[1, 2]", "must be a JSON object"),
+    ("{not json", "not valid JSON"),
+])
+async def test_bad_sampling_parameters_are_refused_before_staging(
+    stub: StubSidecar, sampling: str, expected: str
+) -> None:
+    error = await route_error(stub, FakeVllm(), sampling=sampling)
+
+    assert error.status is Status.INVALID_ARG
+    assert expected in error.message
+    assert stub.staged == []
+
+
+async def test_misspelt_key_error_lists_the_accepted_keys(stub: StubSidecar) -> None:
+    error = await route_error(stub, FakeVllm(), sampling='{"temprature": 0.5}')
+
+    assert "unknown key 'temprature'" in error.message
+    assert "temperature" in error.message.split("accepted keys:")[1]
+
+
+async def test_empty_adapter_id_is_refused(stub: StubSidecar) -> None:
+    error = await route_error(stub, FakeVllm(), adapter_id=" ")
+
+    assert error.status is Status.INVALID_ARG
+    assert stub.staged == []
+
+
+# ---- the sidecar's refusals ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("http_status", "body", "status", "expected"), [
+    (404, error_body("adapter_not_found", "no adapter a1 in s3://b/p"), Status.NOT_FOUND,
+     "no adapter a1 in s3://b/p (adapter_not_found)"),
+    (400, error_body("invalid_adapter_id", "bad id"), Status.INVALID_ARG, "bad id"),
+    (503, error_body("catalog_pending", "not in the loaded catalog"), Status.UNAVAILABLE,
+     "not in the loaded catalog (catalog_pending)"),
+    (503, error_body("catalog_reloading", "Triton is reloading"), Status.UNAVAILABLE,
+     "(catalog_reloading)"),
+    (503, error_body("registry_unavailable", "S3 did not answer", cause="timeout"),
+     Status.UNAVAILABLE, "S3 did not answer [cause: timeout] (registry_unavailable)"),
+    (504, error_body("stage_timeout", "still downloading"), Status.UNAVAILABLE,
+     "(stage_timeout)"),
+    (502, error_body("registry_error", "access denied", cause="permission"), Status.INTERNAL,
+     "access denied [cause: permission]"),
+    (401, error_body("unauthorized", "token needed"), Status.INTERNAL, "(unauthorized)"),
+    (418, error_body("something_new", "a code this router predates"), Status.INVALID_ARG,
+     "a code this router predates (something_new)"),
+    (500, "<html>proxy error</html>", Status.INTERNAL, "not JSON"),
+])
+async def test_sidecar_errors_become_triton_statuses(
+    stub: StubSidecar, http_status: int, body: Any, status: Any, expected: str
+) -> None:
+    stub.stage_replies = [(http_status, body)]
+    vllm = FakeVllm()
+
+    error = await route_error(stub, vllm)
+
+    assert error.status is status
+    assert expected in error.message
+    assert vllm.calls == []
+    assert stub.released == []
+
+
+async def test_invalid_adapter_lists_every_problem(stub: StubSidecar) -> None:
+    problems = [
+        {"code": "rank_too_large", "file": "adapter_config.json", "message": "r=64 > 16"},
+        {"code": "pickle_file", "file": "adapter_model.bin", "message": "pickle is refused"},
+    ]
+    stub.stage_replies = [(422, error_body("invalid_adapter", "refused", adapter_id="a1",
+                                           problems=problems))]
+
+    error = await route_error(stub, FakeVllm())
+
+    assert error.status is Status.INVALID_ARG
+    assert "adapter a1 was refused by validation" in error.message
+    assert "adapter_config.json: r=64 > 16 [rank_too_large]" in error.message
+    assert "adapter_model.bin: pickle is refused [pickle_file]" in error.message
+
+
+async def test_unreachable_sidecar_is_unavailable() -> None:
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    settings = routing.RouterSettings(sidecar_url=f"http://127.0.0.1:{port}")
+    vllm = FakeVllm()
+
+    with pytest.raises(routing.RouteError) as caught:
+        await asyncio.to_thread(routing.route, "p", "a1", None, routing.SidecarClient(settings),
+                                vllm)
+
+    assert caught.value.status is Status.UNAVAILABLE
+    assert f"sidecar unreachable at http://127.0.0.1:{port}" in caught.value.message
+    assert vllm.calls == []
+
+
+async def test_a_sidecar_that_does_not_answer_times_out(stub: StubSidecar) -> None:
+    stub.stall = asyncio.Event()
+    sidecar = client(stub, stage_timeout_s=0.2, sidecar_timeout_s=0.2)
+
+    error = await route_error(stub, FakeVllm(), sidecar=sidecar)
+
+    assert error.status is Status.UNAVAILABLE
+    assert "timed out" in error.message
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+        self.pauses: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def pause(self, seconds: float) -> None:
+        self.pauses.append(seconds)
+        self.now_s += seconds
+
+
+async def test_cache_full_of_leased_adapters_is_waited_out(stub: StubSidecar) -> None:
+    full = (507, error_body("cache_full", "3 adapters are leased"))
+    stub.stage_replies = [full, full]
+    clock = FakeClock()
+    sidecar = routing.SidecarClient(routing.RouterSettings(sidecar_url=stub.url),
+                                    clock=clock, pause=clock.pause)
+
+    text = await route(stub, FakeVllm(), sidecar=sidecar)
+
+    assert text == "hello world"
+    assert len(stub.staged) == 3
+    assert len(clock.pauses) == 2
+    assert stub.released == ["lease-a1"]
+
+
+async def test_cache_full_past_the_stage_deadline_is_unavailable(stub: StubSidecar) -> None:
+    stub.stage_replies = [(507, error_body("cache_full", "3 adapters are leased"))] * 100
+    clock = FakeClock()
+    settings = routing.RouterSettings(sidecar_url=stub.url, stage_timeout_s=2.0)
+    sidecar = routing.SidecarClient(settings, clock=clock, pause=clock.pause)
+
+    error = await route_error(stub, FakeVllm(), sidecar=sidecar)
+
+    assert error.status is Status.UNAVAILABLE
+    assert "(cache_full)" in error.message
+    assert clock.now_s <= 2.0
+    assert stub.staged[-1]["timeout_s"] < stub.staged[0]["timeout_s"]  # one shared deadline
+
+
+async def test_cache_full_that_waiting_cannot_fix_is_answered_at_once(stub: StubSidecar) -> None:
+    stub.stage_replies = [(507, error_body("cache_full", "larger than the budget",
+                                           retryable=False))]
+
+    error = await route_error(stub, FakeVllm())
+
+    assert error.status is Status.UNAVAILABLE
+    assert len(stub.staged) == 1
+
+
+# ---- vLLM's refusals -------------------------------------------------------------------------
+
+
+async def test_lora_unknown_to_vllm_is_unavailable_and_the_lease_released(
+    stub: StubSidecar,
+) -> None:
+    listed = [f"adapter-{n}" for n in range(500)]
+    vllm = FakeVllm(error=routing.VllmError(
+        f"LoRA a1 is not supported, we currently support {listed}", "INTERNAL"))
+
+    error = await route_error(stub, vllm)
+
+    assert error.status is Status.UNAVAILABLE
+    assert "has not loaded a catalog that lists adapter a1" in error.message
+    assert len(error.message) < 600  # the backend's list of every LoRA is cut short
+    assert stub.released == ["lease-a1"]
+
+
+@pytest.mark.parametrize(("message", "code", "status"), [
+    ("Error generating stream: Loading lora a1 failed: No adapter found for /x", "INTERNAL",
+     Status.INTERNAL),
+    ("Request for unknown model: 'vllm_model' is not found", "NOT_FOUND", Status.UNAVAILABLE),
+    ("Model is unavailable due to unhealthy vLLM engine", "UNAVAILABLE", Status.UNAVAILABLE),
+])
+async def test_vllm_failures_keep_their_message_and_release_the_lease(
+    stub: StubSidecar, message: str, code: str, status: Any
+) -> None:
+    error = await route_error(stub, FakeVllm(error=routing.VllmError(message, code)))
+
+    assert error.status is status
+    assert message in error.message
+    assert stub.released == ["lease-a1"]
+
+
+async def test_a_failed_release_only_warns(stub: StubSidecar) -> None:
+    stub.release_reply = (404, error_body("lease_not_found", "no lease lease-a1"))
+    warnings: list[str] = []
+
+    text = await route(stub, FakeVllm(), warn=warnings.append)
+
+    assert text == "hello world"
+    assert len(warnings) == 1
+    assert "could not release lease lease-a1 of a1" in warnings[0]
+
+
+# ---- settings ----------------------------------------------------------------------------------
+
+
+def test_settings_default_to_the_checked_in_config() -> None:
+    config = (TRITON_REPO / ROUTER / "config.pbtxt").read_text()
+    settings = routing.RouterSettings.from_parameters({})
+
+    for key, value in (("sidecar_url", settings.sidecar_url),
+                       ("stage_timeout_s", f"{settings.stage_timeout_s:g}"),
+                       ("sidecar_timeout_s", f"{settings.sidecar_timeout_s:g}"),
+                       ("vllm_model", settings.vllm_model)):
+        assert f'key: "{key}"\n  value: {{ string_value: "{value}" }}' in config
+
+
+def test_settings_gather_every_problem(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as caught:
+        routing.RouterSettings.from_parameters({
+            "sidecar_url": "localhost:8500", "stage_timeout_s": "soon",
+            "sidecar_timeout_s": "-1", "sidecar_api_token_file": str(tmp_path / "missing"),
+        })
+
+    message = str(caught.value)
+    for part in ("sidecar_url", "stage_timeout_s", "sidecar_timeout_s", "sidecar_api_token_file"):
+        assert part in message
+
+
+async def test_token_file_is_sent_as_a_bearer_token(tmp_path: Path) -> None:
+    seen: list[str | None] = []
+
+    async def stage(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization"))
+        return web.json_response(lease_body("a1"))
+
+    async def release(request: web.Request) -> web.Response:
+        return web.json_response({"released": True})
+
+    app = web.Application()
+    app.router.add_post("/stage", stage)
+    app.router.add_post("/release", release)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        token_file = tmp_path / "token"
+        token_file.write_text("s3cret\n")
+        settings = routing.RouterSettings.from_parameters({
+            "sidecar_url": f"http://127.0.0.1:{runner.addresses[0][1]}",
+            "sidecar_api_token_file": str(token_file),
+        })
+        await asyncio.to_thread(routing.route, "p", "a1", None,
+                                routing.SidecarClient(settings), FakeVllm())
+    finally:
+        await runner.cleanup()
+
+    assert seen == ["Bearer s3cret"]
