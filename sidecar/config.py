@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import ConfigError
 
@@ -49,6 +49,8 @@ class LogFormat(Enum):
     TEXT = "text"
     JSON = "json"
 
+
+_E = TypeVar("_E", bound=Enum)
 
 _SIZE_UNITS = {
     "": 1,
@@ -88,13 +90,102 @@ def _parse_float(text: str) -> float:
     return value
 
 
-def _parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"not a boolean: {text!r} (use true or false)")
+def _at_least(parse: Callable[[str], Any], low: float, what: str) -> Callable[[str], Any]:
+    def parse_checked(text: str) -> Any:
+        value = parse(text)
+        if value < low:
+            raise ValueError(f"must be {what}")
+        return value
+
+    return parse_checked
+
+
+def _positive(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse_checked(text: str) -> Any:
+        value = parse(text)
+        if value <= 0:
+            raise ValueError("must be greater than 0")
+        return value
+
+    return parse_checked
+
+
+def _parse_port(text: str) -> int:
+    port = _parse_int(text)
+    if not 0 <= port <= 65535:
+        raise ValueError("must be between 0 and 65535")
+    return port
+
+
+def _parse_registry(text: str) -> str:
+    registry = text.strip()
+    if registry.startswith("s3://"):
+        bucket = registry.removeprefix("s3://").split("/", 1)[0]
+        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
+            raise ValueError(f"{bucket!r} is not a valid S3 bucket name")
+    elif "://" in registry:
+        raise ValueError("use a local folder or s3://bucket/prefix")
+    elif not registry:
+        raise ValueError("must not be empty")
+    return registry
+
+
+def _parse_http_url(text: str) -> str | None:
+    url = text.strip()
+    if url and not re.match(r"^https?://[^/\s]+", url):
+        raise ValueError("use http(s)://host:port")
+    return url or None
+
+
+def _parse_host(text: str) -> str:
+    if not text.strip():
+        raise ValueError("must not be empty")
+    return text.strip()
+
+
+def _parse_log_level(text: str) -> str:
+    if text.strip().upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ValueError("use DEBUG, INFO, WARNING or ERROR")
+    return text.strip().upper()
+
+
+def _parse_modules(text: str) -> tuple[str, ...]:
+    modules = _parse_list(text)
+    bad = [m for m in modules if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", m)]
+    if bad:
+        raise ValueError(f"not module names: {', '.join(map(repr, bad))}")
+    if not modules:
+        raise ValueError("list at least one module")
+    return modules
+
+
+def _parse_pins(text: str) -> tuple[str, ...]:
+    pins = _parse_list(text)
+    bad = [p for p in pins if not is_valid_adapter_id(p)]
+    if bad:
+        raise ValueError(f"not valid adapter ids: {', '.join(map(repr, bad))}")
+    return pins
+
+
+def _parse_absolute_path(text: str) -> Path | None:
+    path = _parse_optional_path(text)
+    if path is not None and not path.is_absolute():
+        raise ValueError("must be an absolute path")
+    return path
+
+
+def _parse_existing_file(text: str) -> Path | None:
+    path = _parse_optional_path(text)
+    if path is not None and not path.is_file():
+        raise ValueError("no such file")
+    return path
+
+
+def _parse_enum(kind: type[_E], text: str) -> _E:
+    try:
+        return kind(text.strip().lower())
+    except ValueError:
+        raise ValueError(f"use one of {', '.join(str(m.value) for m in kind)}") from None
 
 
 def _parse_list(text: str) -> tuple[str, ...]:
@@ -133,85 +224,91 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("registry", "--registry", str, "./registry",
+    Option("registry", "--registry", _parse_registry, "./registry",
            "where adapters live: a local folder (one sub-folder per adapter) or "
            "s3://bucket/prefix", "URL"),
     Option("cache_root", "--cache-root", _parse_path, "./.lora-cache",
            "the cache volume shared with Triton (adapters/, .staging/, .trash/)", "DIR"),
-    Option("triton_cache_root", "--triton-cache-root", _parse_optional_path, "",
+    Option("triton_cache_root", "--triton-cache-root", _parse_absolute_path, "",
            "the cache root as Triton's container sees it, used in the paths handed out "
            "and in multi_lora.json (default: --cache-root, made absolute)", "DIR"),
-    Option("host", "--host", str, "127.0.0.1",
+    Option("host", "--host", _parse_host, "127.0.0.1",
            "address the HTTP API binds to; anything but loopback should set --api-token",
            "ADDR"),
-    Option("port", "--port", _parse_int, "8500", "port of the HTTP API (0 picks a free one)",
+    Option("port", "--port", _parse_port, "8500", "port of the HTTP API (0 picks a free one)",
            "PORT"),
-    Option("s3_endpoint_url", "--s3-endpoint-url", _parse_optional_str, "",
+    Option("s3_endpoint_url", "--s3-endpoint-url", _parse_http_url, "",
            "S3-compatible endpoint, e.g. http://minio:9000 (default: AWS)", "URL"),
     Option("s3_region", "--s3-region", _parse_optional_str, "",
            "S3 region (default: the AWS credential chain's region, else us-east-1)", "REGION"),
-    Option("s3_connect_timeout_s", "--s3-connect-timeout", _parse_float, "5",
+    Option("s3_connect_timeout_s", "--s3-connect-timeout", _positive(_parse_float), "5",
            "seconds to wait for a connection to the registry", "SECONDS"),
-    Option("s3_read_timeout_s", "--s3-read-timeout", _parse_float, "30",
+    Option("s3_read_timeout_s", "--s3-read-timeout", _positive(_parse_float), "30",
            "seconds to wait for the registry's next bytes before giving up on a request",
            "SECONDS"),
-    Option("s3_max_attempts", "--s3-max-attempts", _parse_int, "5",
+    Option("s3_max_attempts", "--s3-max-attempts", _at_least(_parse_int, 1, "at least 1"), "5",
            "attempts per registry request (with capped exponential backoff and jitter)", "N"),
-    Option("part_size_bytes", "--part-size", parse_size, "8MiB",
+    Option("part_size_bytes", "--part-size",
+           _at_least(parse_size, 5 * 1024**2, "at least 5MiB (S3's smallest part)"), "8MiB",
            "objects larger than this are fetched as parallel ranged GETs of this size",
            "SIZE"),
-    Option("download_concurrency", "--download-concurrency", _parse_int, "16",
+    Option("download_concurrency", "--download-concurrency",
+           _at_least(_parse_int, 1, "at least 1"), "16",
            "registry requests in flight at once, across all adapters", "N"),
-    Option("max_bytes", "--max-bytes", parse_size, "20GiB",
+    Option("max_bytes", "--max-bytes", _positive(parse_size), "20GiB",
            "byte budget of the cache (e.g. 500GB); least recently used adapters are evicted",
            "SIZE"),
-    Option("max_adapters", "--max-adapters", _parse_int, "256",
+    Option("max_adapters", "--max-adapters", _at_least(_parse_int, 1, "at least 1"), "256",
            "most adapters kept on disk at once", "N"),
     Option("min_free_bytes", "--min-free-disk", parse_size, "256MiB",
            "refuse a stage that would leave less than this free on the cache filesystem",
            "SIZE"),
-    Option("pin", "--pin", _parse_list, "",
+    Option("pin", "--pin", _parse_pins, "",
            "adapter ids staged at start and never evicted (comma-separated)", "ID,ID"),
-    Option("lease_ttl_s", "--lease-ttl", _parse_float, "600",
+    Option("lease_ttl_s", "--lease-ttl", _positive(_parse_float), "600",
            "seconds after which an unreleased lease expires", "SECONDS"),
-    Option("stage_timeout_s", "--stage-timeout", _parse_float, "600",
+    Option("stage_timeout_s", "--stage-timeout", _positive(_parse_float), "600",
            "longest a /stage call waits when the caller gives no timeout_s", "SECONDS"),
-    Option("refusal_ttl_s", "--refusal-ttl", _parse_float, "60",
+    Option("refusal_ttl_s", "--refusal-ttl", _at_least(_parse_float, 0, "0 or more"), "60",
            "seconds a refused (invalid) adapter is remembered before it is fetched again",
            "SECONDS"),
-    Option("max_lora_rank", "--max-lora-rank", _parse_int, "16",
+    Option("max_lora_rank", "--max-lora-rank", _at_least(_parse_int, 1, "at least 1"), "16",
            "largest LoRA rank the served engine accepts (vLLM's max_lora_rank)", "N"),
-    Option("allowed_target_modules", "--allowed-target-modules", _parse_list,
+    Option("allowed_target_modules", "--allowed-target-modules", _parse_modules,
            ",".join(LLAMA_TARGET_MODULES),
            "modules an adapter may target (comma-separated; default: the Llama family's)",
            "NAMES"),
     Option("base_model", "--base-model", _parse_optional_str, "",
            "when set, an adapter's base_model_name_or_path must equal it", "NAME"),
-    Option("base_model_config", "--base-model-config", _parse_optional_path, "",
+    Option("base_model_config", "--base-model-config", _parse_existing_file, "",
            "the base model's config.json; when set, tensor shapes are checked against it",
            "FILE"),
-    Option("catalog_refresh_s", "--catalog-refresh", _parse_float, "30",
+    Option("catalog_refresh_s", "--catalog-refresh", _positive(_parse_float), "30",
            "seconds between listings of the registry for multi_lora.json", "SECONDS"),
-    Option("triton_url", "--triton-url", _parse_optional_str, "",
+    Option("triton_url", "--triton-url", _parse_http_url, "",
            "Triton's HTTP endpoint (explicit model control), e.g. http://localhost:8000; "
            "when set, the vLLM model is reloaded when the catalog changes", "URL"),
     Option("triton_model", "--triton-model", str, "vllm_model",
            "name of the vLLM model in Triton's repository", "NAME"),
-    Option("triton_reload", "--triton-reload", TritonReload, "on-change",
+    Option("triton_reload", "--triton-reload", lambda t: _parse_enum(TritonReload, t), "on-change",
            "never | on-change (new engine loads beside the old, no downtime, two engines' "
            "memory) | unload-first (old engine unloaded first: downtime, one engine's memory)",
            "MODE"),
-    Option("triton_reload_min_interval_s", "--triton-reload-min-interval", _parse_float, "60",
+    Option("triton_reload_min_interval_s", "--triton-reload-min-interval",
+           _at_least(_parse_float, 0, "0 or more"), "60",
            "least seconds between two reloads of the vLLM model", "SECONDS"),
     Option("api_token", "--api-token", _parse_optional_str, "",
            "bearer token required by mutating endpoints (prefer --api-token-file)", "TOKEN",
            secret=True),
     Option("api_token_file", "--api-token-file", _parse_optional_path, "",
            "file holding the bearer token", "FILE"),
-    Option("max_request_bytes", "--max-request-bytes", parse_size, "64KiB",
+    Option("max_request_bytes", "--max-request-bytes",
+           _at_least(parse_size, 1024, "at least 1KiB"), "64KiB",
            "largest request body the API accepts", "SIZE"),
-    Option("log_level", "--log-level", str, "INFO", "DEBUG, INFO, WARNING or ERROR", "LEVEL"),
-    Option("log_format", "--log-format", LogFormat, "text", "text or json", "FORMAT"),
+    Option("log_level", "--log-level", _parse_log_level, "INFO",
+           "DEBUG, INFO, WARNING or ERROR", "LEVEL"),
+    Option("log_format", "--log-format", lambda t: _parse_enum(LogFormat, t), "text",
+           "text or json", "FORMAT"),
 )
 
 _BY_FIELD = {option.field: option for option in OPTIONS}
@@ -322,61 +419,9 @@ def _read_token(path: Path, problems: list[str]) -> str | None:
 
 
 def _check(p: Mapping[str, Any]) -> Iterable[str]:
-    """Cross-field and range checks, after every option parsed on its own."""
-    registry: str = p["registry"]
-    if registry.startswith("s3://"):
-        bucket = registry.removeprefix("s3://").split("/", 1)[0]
-        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
-            yield f"--registry {registry!r}: {bucket!r} is not a valid S3 bucket name"
-    elif "://" in registry:
-        yield f"--registry {registry!r}: use a local folder or s3://bucket/prefix"
-    elif not registry.strip():
-        yield "--registry must not be empty"
-    if not 0 <= p["port"] <= 65535:
-        yield f"--port {p['port']}: must be between 0 and 65535"
-    if not p["host"].strip():
-        yield "--host must not be empty"
-    positive = (
-        "s3_connect_timeout_s", "s3_read_timeout_s", "lease_ttl_s", "stage_timeout_s",
-        "catalog_refresh_s",
-    )
-    for name in positive:
-        if p[name] <= 0:
-            yield f"{_BY_FIELD[name].flag} must be greater than 0"
-    for name in ("refusal_ttl_s", "triton_reload_min_interval_s", "min_free_bytes"):
-        if p[name] < 0:
-            yield f"{_BY_FIELD[name].flag} must not be negative"
-    for name in ("s3_max_attempts", "download_concurrency", "max_adapters", "max_lora_rank"):
-        if p[name] < 1:
-            yield f"{_BY_FIELD[name].flag} must be at least 1"
-    if p["max_bytes"] < 1:
-        yield "--max-bytes must be at least 1 byte"
-    if p["part_size_bytes"] < 5 * 1024**2:
-        yield "--part-size must be at least 5MiB (S3's smallest useful range part)"
-    if p["max_request_bytes"] < 1024:
-        yield "--max-request-bytes must be at least 1KiB"
-    for adapter_id in p["pin"]:
-        if not is_valid_adapter_id(adapter_id):
-            yield f"--pin: {adapter_id!r} is not a valid adapter id"
+    """Checks across options; only run once every option parsed on its own."""
     if len(p["pin"]) > p["max_adapters"]:
         yield f"--pin lists {len(p['pin'])} adapters but --max-adapters is {p['max_adapters']}"
-    for module in p["allowed_target_modules"]:
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", module):
-            yield f"--allowed-target-modules: {module!r} is not a module name"
-    if not p["allowed_target_modules"]:
-        yield "--allowed-target-modules must list at least one module"
-    config = p["base_model_config"]
-    if config is not None and not config.is_file():
-        yield f"--base-model-config {config}: no such file"
-    if p["log_level"].upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-        yield f"--log-level {p['log_level']!r}: use DEBUG, INFO, WARNING or ERROR"
-    if p["triton_url"] is not None and not re.match(r"^https?://", p["triton_url"]):
-        yield f"--triton-url {p['triton_url']!r}: use http://host:port"
-    if p["s3_endpoint_url"] is not None and not re.match(r"^https?://", p["s3_endpoint_url"]):
-        yield f"--s3-endpoint-url {p['s3_endpoint_url']!r}: use http(s)://host:port"
-    triton_root = p["triton_cache_root"]
-    if triton_root is not None and not triton_root.is_absolute():
-        yield f"--triton-cache-root {triton_root}: must be an absolute path"
 
 
 def is_loopback(host: str) -> bool:

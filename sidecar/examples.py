@@ -48,7 +48,9 @@ def adapter_config(
     }
 
 
-def _random_tensor(rng: np.random.Generator, shape: tuple[int, int], dtype: str) -> np.ndarray[Any, Any]:
+def _random_tensor(
+    rng: np.random.Generator, shape: tuple[int, int], dtype: str
+) -> np.ndarray[Any, Any]:
     values = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
     if dtype == "float32":
         return values

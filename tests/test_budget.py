@@ -1,0 +1,227 @@
+"""The cache budget: LRU order, byte and count limits, pins, leases and their expiry,
+operator eviction."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import aiohttp
+
+from sidecar.app import Sidecar
+from tests.conftest import StartSidecar, call, local_registry_adapter, make_settings
+
+
+def cached_ids(tmp_path: Path) -> set[str]:
+    return {p.name for p in (tmp_path / "cache" / "adapters").iterdir()}
+
+
+async def stage(http: aiohttp.ClientSession, sidecar: Sidecar, adapter_id: str,
+                **extra: object) -> dict[str, object]:
+    status, body = await call(http, "POST", f"{sidecar.url}/stage",
+                              {"adapter_id": adapter_id, **extra})
+    assert status == 200, body
+    assert isinstance(body, dict)
+    return body
+
+
+async def release(http: aiohttp.ClientSession, sidecar: Sidecar, lease_id: object) -> None:
+    status, body = await call(http, "POST", f"{sidecar.url}/release", {"lease_id": lease_id})
+    assert status == 200, body
+
+
+async def test_count_budget_evicts_least_recently_used(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    for i, adapter_id in enumerate(("a", "b", "c")):
+        local_registry_adapter(tmp_path, adapter_id, seed=i)
+    sidecar = await start_sidecar(make_settings(tmp_path, max_adapters=2))
+
+    for adapter_id in ("a", "b"):
+        await stage(http, sidecar, adapter_id, lease=False)
+    await stage(http, sidecar, "a", lease=False)  # a is now more recent than b
+    await stage(http, sidecar, "c", lease=False)
+
+    assert cached_ids(tmp_path) == {"a", "c"}
+    status, listing = await call(http, "GET", f"{sidecar.url}/adapters")
+    assert [a["adapter_id"] for a in listing["adapters"]] == ["c", "a"]
+    assert listing["cache"]["adapters"] == 2
+
+
+async def test_byte_budget_evicts_until_it_fits(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    for i, adapter_id in enumerate(("a", "b", "c")):
+        local_registry_adapter(tmp_path, adapter_id, seed=i)
+    size = sum(p.stat().st_size for p in (tmp_path / "registry" / "a").iterdir())
+    sidecar = await start_sidecar(make_settings(tmp_path, max_bytes=2 * size + size // 2))
+
+    for adapter_id in ("a", "b", "c"):
+        await stage(http, sidecar, adapter_id, lease=False)
+
+    assert cached_ids(tmp_path) == {"b", "c"}
+    assert sidecar.store.total_bytes <= 2 * size + size // 2
+
+
+async def test_leased_adapter_is_not_evicted_and_a_stage_that_cannot_fit_is_507(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    for i, adapter_id in enumerate(("a", "b")):
+        local_registry_adapter(tmp_path, adapter_id, seed=i)
+    sidecar = await start_sidecar(make_settings(tmp_path, max_adapters=1))
+
+    leased = await stage(http, sidecar, "a")
+    status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "b"})
+    assert status == 507
+    assert body["error"] == "cache_full"
+    assert cached_ids(tmp_path) == {"a"}
+    assert list((tmp_path / "cache" / ".staging").iterdir()) == []
+
+    await release(http, sidecar, leased["lease_id"])
+    await stage(http, sidecar, "b")
+    assert cached_ids(tmp_path) == {"b"}
+
+
+async def test_release_of_unknown_lease_is_404(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    sidecar = await start_sidecar(make_settings(tmp_path))
+    status, body = await call(http, "POST", f"{sidecar.url}/release", {"lease_id": "nope"})
+    assert status == 404
+    assert body["error"] == "lease_not_found"
+
+
+async def test_lease_expires_after_its_ttl_and_the_adapter_becomes_evictable(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    local_registry_adapter(tmp_path, "a")
+    sidecar = await start_sidecar(make_settings(tmp_path, lease_ttl_s=0.3))
+    answer = await stage(http, sidecar, "a")
+    status, body = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "a"})
+    assert status == 409
+
+    for _ in range(100):  # the expiry task runs every second at most
+        if sidecar.store.snapshot().active_leases == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert sidecar.store.snapshot().active_leases == 0
+    status, body = await call(http, "POST", f"{sidecar.url}/release",
+                              {"lease_id": answer["lease_id"]})
+    assert status == 404
+    status, body = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "a"})
+    assert status == 200, body
+    assert body["reason"] == "manual"
+    assert cached_ids(tmp_path) == set()
+
+
+async def test_evicting_a_leased_adapter_is_409_unless_forced(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    local_registry_adapter(tmp_path, "a")
+    sidecar = await start_sidecar(make_settings(tmp_path))
+    first = await stage(http, sidecar, "a")
+    second = await stage(http, sidecar, "a")
+
+    status, body = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "a"})
+    assert status == 409
+    assert body["error"] == "adapter_in_use"
+    assert body["leases"] == 2
+    assert cached_ids(tmp_path) == {"a"}
+
+    status, body = await call(http, "POST", f"{sidecar.url}/evict",
+                              {"adapter_id": "a", "force": True})
+    assert status == 200
+    assert body["reason"] == "forced"
+    assert sorted(body["broken_leases"]) == sorted([first["lease_id"], second["lease_id"]])
+    assert body["freed_bytes"] == first["size_bytes"]
+    assert cached_ids(tmp_path) == set()
+    status, _ = await call(http, "POST", f"{sidecar.url}/release", {"lease_id": first["lease_id"]})
+    assert status == 404
+
+
+async def test_evicting_an_uncached_adapter_is_404(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    sidecar = await start_sidecar(make_settings(tmp_path))
+    status, body = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "a"})
+    assert status == 404
+    assert body["error"] == "not_cached"
+
+
+async def test_eviction_moves_the_folder_to_trash_and_deletes_it(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    local_registry_adapter(tmp_path, "a")
+    sidecar = await start_sidecar(make_settings(tmp_path))
+    await stage(http, sidecar, "a", lease=False)
+    status, _ = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "a"})
+    assert status == 200
+    assert not (tmp_path / "cache" / "adapters" / "a").exists()
+    trash = tmp_path / "cache" / ".trash"
+    for _ in range(100):
+        if not any(trash.iterdir()):
+            break
+        await asyncio.sleep(0.02)
+    assert list(trash.iterdir()) == []
+
+
+async def test_pinned_adapters_are_staged_at_start_and_never_evicted(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    for i, adapter_id in enumerate(("pinned", "b", "c")):
+        local_registry_adapter(tmp_path, adapter_id, seed=i)
+    sidecar = await start_sidecar(make_settings(tmp_path, max_adapters=2, pin=("pinned",)))
+    for _ in range(200):
+        status, ready = await call(http, "GET", f"{sidecar.url}/readyz")
+        if status == 200:
+            break
+        await asyncio.sleep(0.02)
+    assert status == 200, ready
+    assert cached_ids(tmp_path) == {"pinned"}
+
+    await stage(http, sidecar, "b", lease=False)
+    await stage(http, sidecar, "c", lease=False)
+    assert cached_ids(tmp_path) == {"pinned", "c"}
+
+    status, body = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "pinned"})
+    assert status == 409
+    assert body["pinned"] is True
+
+
+async def test_pin_and_unpin_through_the_api(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    for i, adapter_id in enumerate(("a", "b")):
+        local_registry_adapter(tmp_path, adapter_id, seed=i)
+    sidecar = await start_sidecar(make_settings(tmp_path, max_adapters=1))
+
+    status, body = await call(http, "POST", f"{sidecar.url}/pin", {"adapter_id": "a"})
+    assert status == 200, body
+    assert body["pinned"] is True
+    status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "b"})
+    assert status == 507  # the only slot is pinned
+
+    status, body = await call(http, "POST", f"{sidecar.url}/unpin", {"adapter_id": "a"})
+    assert status == 200
+    assert body["was_pinned"] is True
+    await stage(http, sidecar, "b", lease=False)
+    assert cached_ids(tmp_path) == {"b"}
+
+
+async def test_readyz_waits_for_a_pin_that_cannot_be_staged(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    (tmp_path / "registry").mkdir()
+    sidecar = await start_sidecar(make_settings(tmp_path, pin=("later",)))
+    status, body = await call(http, "GET", f"{sidecar.url}/readyz")
+    assert status == 503
+    assert "later" in body["message"]
+
+    local_registry_adapter(tmp_path, "later")
+    for _ in range(100):
+        status, body = await call(http, "GET", f"{sidecar.url}/readyz")
+        if status == 200:
+            break
+        await asyncio.sleep(0.1)
+    assert status == 200, body
+    assert cached_ids(tmp_path) == {"later"}

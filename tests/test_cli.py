@@ -1,0 +1,151 @@
+"""The command line: `serve` options and their errors, and the client commands against a real
+running sidecar."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sidecar.app import Sidecar
+from sidecar.config import OPTIONS, Settings
+from sidecar.errors import ConfigError
+from tests.conftest import StartSidecar, local_registry_adapter, make_settings
+
+
+async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "sidecar", *args,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})},
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+def test_serve_help_documents_every_option_and_its_environment_variable() -> None:
+    result = subprocess.run([sys.executable, "-m", "sidecar", "serve", "--help"],
+                            capture_output=True, text=True, timeout=30,
+                            env={**os.environ, "COLUMNS": "200"})
+    assert result.returncode == 0
+    for option in OPTIONS:
+        assert option.flag in result.stdout
+        assert option.env_var in result.stdout
+
+
+def test_bad_configuration_lists_every_problem_at_start(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sidecar", "serve", "--port", "99999", "--max-bytes", "lots",
+         "--registry", "ftp://x", "--cache-root", str(tmp_path)],
+        capture_output=True, text=True, timeout=30,
+        env={**os.environ, "LORA_SIDECAR_LEASE_TTL": "-1"},
+    )
+    assert result.returncode == 2
+    for fragment in ("--port", "--max-bytes", "--registry", "--lease-ttl"):
+        assert fragment in result.stderr
+    assert not (tmp_path / "adapters").exists()
+
+
+def test_environment_variables_configure_and_flags_override_them() -> None:
+    from sidecar.__main__ import build_parser, settings_from
+
+    env = {"LORA_SIDECAR_MAX_ADAPTERS": "7", "LORA_SIDECAR_PORT": "9000"}
+    args = build_parser().parse_args(["serve", "--port", "9100"])
+    settings = settings_from(args, env)
+    assert settings.max_adapters == 7
+    assert settings.port == 9100
+    assert Settings.from_env(env).port == 9000
+
+
+def test_settings_errors_hide_the_api_token() -> None:
+    with pytest.raises(ConfigError) as caught:
+        Settings.from_values({"api_token": "s3cret-value", "port": "-5"})
+    assert "s3cret-value" not in str(caught.value)
+    assert "s3cret-value" not in repr(Settings.from_values({"api_token": "s3cret-value"}))
+
+
+def test_examples_fill_an_empty_registry_once(tmp_path: Path) -> None:
+    registry = tmp_path / "registry"
+    first = subprocess.run([sys.executable, "-m", "sidecar", "examples", str(registry)],
+                           capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0
+    ids = sorted(p.name for p in registry.iterdir())
+    assert len(ids) == 2
+    before = {p: p.stat().st_mtime_ns for p in registry.rglob("*")}
+    second = subprocess.run([sys.executable, "-m", "sidecar", "examples", str(registry)],
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode == 0
+    assert {p: p.stat().st_mtime_ns for p in registry.rglob("*")} == before
+    code, out, _ = subprocess.run(
+        [sys.executable, "-m", "sidecar", "validate", str(registry / ids[0])],
+        capture_output=True, text=True, timeout=60).returncode, "", ""
+    assert code == 0
+
+
+async def test_client_commands_against_a_running_sidecar(
+    tmp_path: Path, start_sidecar: StartSidecar
+) -> None:
+    for i, adapter_id in enumerate(("a", "b")):
+        local_registry_adapter(tmp_path, adapter_id, seed=i)
+    sidecar: Sidecar = await start_sidecar(make_settings(tmp_path))
+    url = ["--url", sidecar.url]
+
+    code, out, err = await run_cli("stage", "a", *url)
+    assert code == 0, err
+    assert "staged a" in out
+    code, out, _ = await run_cli("stage", "a", *url, "--json")
+    assert code == 0
+    assert json.loads(out)["cached"] is True
+
+    code, out, _ = await run_cli("pin", "b", *url)
+    assert code == 0
+    code, out, _ = await run_cli("ls", *url, "--json")
+    listing = {a["adapter_id"]: a for a in json.loads(out)["adapters"]}
+    assert set(listing) == {"a", "b"}
+    assert listing["b"]["pinned"] is True
+    code, out, _ = await run_cli("ls", *url)
+    assert code == 0
+    assert "ADAPTER" in out and "b" in out
+
+    code, _, err = await run_cli("evict", "b", *url)
+    assert code == 1
+    assert "adapter_in_use" in err
+    code, _, _ = await run_cli("unpin", "b", *url)
+    assert code == 0
+    code, out, _ = await run_cli("evict", "b", *url)
+    assert code == 0
+    assert "evicted b" in out
+    assert sidecar.store.get("b") is None
+
+    code, _, err = await run_cli("stage", "../etc", *url)
+    assert code == 2
+    assert "invalid adapter id" in err
+
+
+async def test_prewarm_exits_zero_only_when_every_adapter_is_staged(
+    tmp_path: Path, start_sidecar: StartSidecar
+) -> None:
+    for i, adapter_id in enumerate(("a", "b")):
+        local_registry_adapter(tmp_path, adapter_id, seed=i)
+    sidecar = await start_sidecar(make_settings(tmp_path))
+
+    code, out, err = await run_cli("prewarm", "a", "b", "--url", sidecar.url)
+    assert code == 0, err
+    assert {a.adapter_id for a in sidecar.store.adapters()} == {"a", "b"}
+
+    code, out, err = await run_cli("prewarm", "a", "missing", "--url", sidecar.url, "--json")
+    assert code == 1
+    report = json.loads(out)
+    assert report["failed"] == ["missing"]
+    assert report["results"]["missing"]["error"] == "adapter_not_found"
+
+
+async def test_client_commands_report_an_unreachable_sidecar() -> None:
+    code, _, err = await run_cli("ls", "--url", "http://127.0.0.1:9")
+    assert code == 1
+    assert "cannot reach the sidecar" in err
