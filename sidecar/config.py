@@ -356,7 +356,7 @@ class Settings:
     def triton_root(self) -> Path:
         """Triton's view of the cache root; always absolute (vLLM reads relative paths as
         hub ids)."""
-        return self.triton_cache_root or self.cache_root.resolve()
+        return self.triton_cache_root or self.cache_root.absolute()
 
     @property
     def is_s3(self) -> bool:
