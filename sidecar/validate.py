@@ -1,0 +1,604 @@
+"""Adapter validation: refuse, before it is published, every adapter vLLM cannot load or that is
+unsafe, and name every reason at once. Plain synchronous functions: the core runs them in a
+thread, `lora-sidecar validate` runs them directly. Rules: ../shared vLLM adapter checklist A-D.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import stat
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, TextIO, TypeGuard
+
+from .config import LLAMA_TARGET_MODULES, Settings
+from .errors import ConfigError
+from .safetensors_check import (
+    TensorInfo,
+    check_safetensors,
+    find_nonfinite,
+    shown,
+)
+from .shapes import ATTENTION_MODULES, ModelShapes
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+CHECKSUMS_FILE = "SHA256SUMS"
+ALLOWED_FILES = frozenset({
+    CONFIG_FILE, WEIGHTS_FILE, CHECKSUMS_FILE, ".sidecar.json",
+    "README.md", "README", "LICENSE", "LICENSE.md", "LICENSE.txt",
+})  # fmt: skip
+CONFIG_MAX_BYTES = 1024**2
+CHECKSUMS_MAX_BYTES = 64 * 1024
+MAX_PROBLEMS_PER_CODE = 20  # a header of a million bad tensors must not make a huge answer
+HASH_CHUNK_BYTES = 1024**2
+
+# torch.load runs pickles, and `weights_only=True` has been bypassed (CVE-2025-32434).
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+_CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".so", ".sh", ".js", ".ipynb", ".exe", ".dll")
+# vLLM 0.10 loads a tokenizer from the adapter folder, with the engine's trust_remote_code;
+# vLLM 0.10 also reads new_embeddings.* (a pickle when .bin), newer versions ignore them.
+_TOKENIZER_FILES = frozenset({
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "merges.txt",
+})  # fmt: skip
+_SUPPORTED_INITS = frozenset({"gaussian", "eva", "orthogonal", "mica", "lora_ga"})
+_UNSUPPORTED_FEATURES = {
+    "alora_invocation_tokens": "vLLM does not support Activated LoRA (aLoRA).",
+    "use_bdlora": "vLLM does not support block-diagonal LoRA (BD-LoRA).",
+    "use_qalora": "vLLM does not support QALoRA.",
+}
+_NAME_PREFIX = "base_model.model."
+_LORA_NAME = re.compile(
+    r"(?P<path>(?:[A-Za-z0-9_]+\.)*(?P<module>[A-Za-z0-9_]+))"
+    r"\.lora_(?:(?P<half>[AB])\.weight|embedding_(?P<embedding_half>[AB]))"
+)
+_LLAMA_PATH = re.compile(r"model\.layers\.(?P<layer>0|[1-9][0-9]*)\.(?P<block>self_attn|mlp)\.\w+")
+_CHECKSUM_LINE = re.compile(r"(?P<digest>[0-9a-fA-F]{64}) [ *](?:\./)?(?P<name>.+)")
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    code: str  # stable snake_case code, e.g. "rank_too_large"
+    file: str  # file name inside the adapter folder, "" for the folder itself
+    message: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"code": self.code, "file": self.file, "message": self.message}
+
+
+@dataclass(frozen=True, slots=True)
+class Rules:
+    max_lora_rank: int = 16
+    allowed_target_modules: frozenset[str] = frozenset(LLAMA_TARGET_MODULES)
+    base_model: str | None = None
+    shapes: ModelShapes | None = None  # from --base-model-config
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Rules:
+        shapes = None
+        if settings.base_model_config is not None:
+            try:
+                shapes = ModelShapes.from_file(settings.base_model_config)
+            except (OSError, ValueError) as exc:
+                raise ConfigError([f"--base-model-config: {exc}"]) from exc
+        return cls(
+            max_lora_rank=settings.max_lora_rank,
+            allowed_target_modules=frozenset(settings.allowed_target_modules),
+            base_model=settings.base_model,
+            shapes=shapes,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _LoraConfig:
+    """What the tensor checks need from a config: the rank, and per-module exceptions."""
+
+    rank: int | None
+    rank_pattern: Mapping[str, int]
+
+    def rank_for(self, module_path: str) -> int | None:
+        # vLLM 0.34: a key matches a suffix of the module name at a "." boundary; first wins.
+        for key, rank in self.rank_pattern.items():
+            if module_path == key or module_path.endswith("." + key):
+                return rank
+        return self.rank
+
+
+def check_file_name(name: str) -> Problem | None:
+    """Whether a file of this name may be part of an adapter; used on a registry listing too,
+    so a forbidden file is refused before it is downloaded."""
+    if name in ALLOWED_FILES:
+        return None
+    if "/" in name or "\\" in name or name in ("", ".", ".."):
+        return Problem("nested_path", shown(name), "an adapter is one flat folder; "
+                       "nested paths and sub-folders are refused")
+    lowered = name.lower()
+    if lowered.endswith(_PICKLE_SUFFIXES):
+        return Problem("forbidden_file", shown(name), "pickle-based weights can run code when "
+                       f"loaded; only {WEIGHTS_FILE} is accepted")
+    if lowered.endswith(_CODE_SUFFIXES):
+        return Problem("forbidden_file", shown(name), "code files are never staged")
+    if lowered in _TOKENIZER_FILES or lowered.startswith("new_embeddings."):
+        return Problem("forbidden_file", shown(name), "tokenizer and new-embedding files are "
+                       "refused: old vLLM versions load them from the adapter folder")
+    return Problem("unexpected_file", shown(name), "not on the list of allowed files: "
+                   + ", ".join(sorted(ALLOWED_FILES)))
+
+
+def validate_adapter(
+    folder: Path,
+    rules: Rules,
+    *,
+    sha256: Mapping[str, str] | None = None,
+    scan_values: bool = False,
+) -> list[Problem]:
+    """Every problem of the adapter in `folder`; [] when it is valid. Never raises for what the
+    folder holds. `sha256` maps file names to digests already computed while downloading.
+    `scan_values` also reads every tensor value to refuse NaN and infinity (slower)."""
+    problems, readable = _check_folder(folder)
+    config: _LoraConfig | None = None
+    # A file that cannot be read (a race with a deletion, an I/O error) is that file's problem.
+    if CONFIG_FILE in readable:
+        try:
+            config_problems, config = _check_config(folder, rules)
+            problems.extend(config_problems)
+        except OSError as exc:
+            problems.append(_read_error(CONFIG_FILE, exc))
+    if WEIGHTS_FILE in readable:
+        try:
+            problems.extend(_check_weights(folder, rules, config, scan_values))
+        except OSError as exc:
+            problems.append(_read_error(WEIGHTS_FILE, exc))
+    if CHECKSUMS_FILE in readable:
+        try:
+            problems.extend(_check_checksums(folder, readable, sha256 or {}))
+        except OSError as exc:
+            problems.append(_read_error(CHECKSUMS_FILE, exc))
+    return _bounded(problems)
+
+
+def _read_error(file: str, exc: OSError) -> Problem:
+    return Problem("read_error", file, f"cannot read it: {shown(str(exc))}")
+
+
+def _check_folder(folder: Path) -> tuple[list[Problem], set[str]]:
+    """Problems of the folder's entries, and the names of the files fit to be read."""
+    try:
+        mode = os.lstat(folder).st_mode
+        if stat.S_ISLNK(mode):
+            return [Problem("symlink", "", "the adapter folder is a symbolic link; its target "
+                            "could change behind the published path")], set()
+        if not stat.S_ISDIR(mode):
+            return [Problem("not_a_folder", "", f"{shown(str(folder))} is not a folder")], set()
+        with os.scandir(folder) as entries:
+            listing = [(entry.name, entry.stat(follow_symlinks=False)) for entry in entries]
+    except OSError as exc:
+        return [Problem("read_error", "", f"cannot read the folder: {shown(str(exc))}")], set()
+    problems: list[Problem] = []
+    readable: set[str] = set()
+    for name, info in sorted(listing):
+        if stat.S_ISLNK(info.st_mode):
+            # vLLM follows links; the target could be anything and change at any time.
+            problems.append(Problem("symlink", shown(name), "symbolic links are refused"))
+        elif stat.S_ISDIR(info.st_mode):
+            problems.append(Problem("nested_path", shown(name), "sub-folders are refused; an "
+                                    "adapter is one flat folder"))
+        elif not stat.S_ISREG(info.st_mode):
+            problems.append(Problem("not_regular_file", shown(name), "not a regular file"))
+        elif (problem := check_file_name(name)) is not None:
+            problems.append(problem)
+        else:
+            readable.add(name)
+            if info.st_nlink > 1:
+                # Another name for the same bytes could rewrite a published adapter in place.
+                problems.append(Problem("hard_link", name, f"the file has {info.st_nlink} "
+                                        "hard links; a published adapter must own its bytes"))
+    present = {name for name, _ in listing}
+    if CONFIG_FILE not in present:
+        problems.append(Problem("missing_file", CONFIG_FILE, f"{CONFIG_FILE} is missing (vLLM: "
+                                f"\"No adapter found for {shown(str(folder))}\")"))
+    if WEIGHTS_FILE not in present:
+        problems.append(Problem("missing_file", WEIGHTS_FILE, f"{WEIGHTS_FILE} is missing "
+                                f"(vLLM: \"{shown(str(folder))} doesn't contain tensors\")"))
+    return problems, readable
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """Open for reading without following a link swapped in since the folder was listed."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path.name} is not a regular file")
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_capped(path: Path, limit_bytes: int) -> bytes | None:
+    """The whole file, or None when it is larger than `limit_bytes` (then nothing is read)."""
+    with _open_regular(path) as f:
+        if os.fstat(f.fileno()).st_size > limit_bytes:
+            return None
+        data = f.read(limit_bytes + 1)
+        return data if len(data) <= limit_bytes else None
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ValueError(f"duplicate key {key!r}")
+        obj[key] = value
+    return obj
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+# ---- adapter_config.json (checklist A2, A3, B1-B17) ---------------------------------------
+
+
+def _check_config(folder: Path, rules: Rules) -> tuple[list[Problem], _LoraConfig | None]:
+    data = _read_capped(folder / CONFIG_FILE, CONFIG_MAX_BYTES)
+    if data is None:
+        return [Problem("config_too_large", CONFIG_FILE,
+                        f"larger than {CONFIG_MAX_BYTES} bytes")], None
+    try:
+        config = json.loads(
+            data.decode("utf-8"),
+            object_pairs_hook=_no_duplicate_keys,
+            parse_constant=_refuse_constant,
+        )
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        return [Problem("config_invalid_json", CONFIG_FILE,
+                        f"not valid JSON: {shown(str(exc))}")], None
+    if not isinstance(config, dict):
+        return [Problem("config_invalid_json", CONFIG_FILE,
+                        "the top level is not a JSON object")], None
+    faults = _config_faults(config, rules)
+    return [Problem(code, CONFIG_FILE, message) for code, message in faults], _lora_config(config)
+
+
+def _config_faults(config: dict[str, Any], rules: Rules) -> list[tuple[str, str]]:
+    faults: list[tuple[str, str]] = []
+    if config.get("peft_type") != "LORA":
+        faults.append(("not_lora", f"peft_type is {_json(config.get('peft_type'))}, not \"LORA\""))
+    missing = {"r", "lora_alpha", "target_modules"} - set(config)
+    if missing:
+        faults.append(("missing_config_field",
+                       f"Missing required configuration fields: {sorted(missing)}"))
+    rank = config.get("r")
+    if "r" in config and not _positive_int(rank):
+        faults.append(("invalid_rank", f"LoRA rank `r` must be a positive integer, got "
+                       f"{_json(rank)}."))
+    elif _positive_int(rank) and rank > rules.max_lora_rank:
+        faults.append(("rank_too_large",
+                       f"LoRA rank {rank} is greater than max_lora_rank {rules.max_lora_rank}."))
+    faults.extend(_rank_pattern_faults(config.get("rank_pattern"), rules.max_lora_rank))
+    faults.extend(_alpha_faults(config))
+    faults.extend(_target_module_faults(config, rules))
+    faults.extend(_feature_faults(config))
+    if rules.base_model is not None and config.get("base_model_name_or_path") != rules.base_model:
+        faults.append(("base_model_mismatch", "base_model_name_or_path is "
+                       f"{_json(config.get('base_model_name_or_path'))}, but this server serves "
+                       f"{_json(rules.base_model)}"))
+    return faults
+
+
+def _rank_pattern_faults(pattern: object, max_lora_rank: int) -> list[tuple[str, str]]:
+    if pattern is None:
+        return []
+    if not isinstance(pattern, dict):
+        return [("invalid_rank_pattern", f"rank_pattern must be an object, got {_json(pattern)}")]
+    faults = [
+        ("invalid_rank_pattern",
+         f"LoRA rank for `{shown(key)}` in `rank_pattern` must be a positive integer, got "
+         f"{_json(value)}.")
+        for key, value in pattern.items()
+        if not _positive_int(value)
+    ]
+    too_large = [v for v in pattern.values() if _positive_int(v) and v > max_lora_rank]
+    if too_large:
+        faults.append(("rank_pattern_too_large", f"LoRA rank {max(too_large)} is greater than "
+                       f"max_lora_rank {max_lora_rank}. (from rank_pattern)"))
+    return faults
+
+
+def _alpha_faults(config: dict[str, Any]) -> list[tuple[str, str]]:
+    faults = []
+    if "lora_alpha" in config and not _positive_number(config["lora_alpha"]):
+        faults.append(("invalid_lora_alpha", "lora_alpha must be a finite number above 0, got "
+                       f"{_json(config['lora_alpha'])}"))
+    pattern = config.get("alpha_pattern")
+    if pattern is not None and not (
+        isinstance(pattern, dict) and all(_positive_number(v) for v in pattern.values())
+    ):
+        faults.append(("invalid_lora_alpha", "alpha_pattern must map module names to finite "
+                       "numbers above 0"))
+    return faults
+
+
+def _target_module_faults(config: dict[str, Any], rules: Rules) -> list[tuple[str, str]]:
+    modules = config.get("target_modules")
+    if "target_modules" not in config:
+        return []
+    if not (isinstance(modules, list) and modules and all(isinstance(m, str) for m in modules)):
+        # PEFT also allows a regex string, which cannot be checked against the allowed list.
+        return [("invalid_target_modules", "target_modules must be a non-empty list of module "
+                 f"names, got {_json(modules)}")]
+    unexpected = sorted(set(modules) - rules.allowed_target_modules)
+    if unexpected:
+        return [("module_not_allowed", f"target_modules lists {_names(unexpected)}; this "
+                 f"server allows {_names(sorted(rules.allowed_target_modules))}")]
+    return []
+
+
+def _feature_faults(config: dict[str, Any]) -> list[tuple[str, str]]:
+    """Features vLLM refuses at load time, or silently serves wrongly (B8-B13, B17)."""
+    faults = []
+    if not _absent(config.get("use_dora")):
+        faults.append(("dora_not_supported", "vLLM does not yet support DoRA."))
+    if config.get("bias", "none") != "none":
+        faults.append(("bias_not_supported", "Adapter bias is not supported."))
+    if not _absent(config.get("lora_bias")):
+        faults.append(("bias_not_supported", "vLLM does not support LoRA bias (lora_bias)."))
+    if not _absent(config.get("modules_to_save")):
+        faults.append(("modules_to_save_not_supported",
+                       "vLLM only supports modules_to_save being None."))
+    init = config.get("init_lora_weights", True)
+    if not (isinstance(init, bool) or (isinstance(init, str) and init.lower() in _SUPPORTED_INITS)):
+        faults.append(("init_not_supported", f"vLLM does not support init_lora_weights="
+                       f"{_json(init)}. Inits such as PiSSA, OLoRA, CorDA and LoftQ modify "
+                       "the base model weights."))
+    if not _absent(config.get("layer_replication")):
+        faults.append(("layer_replication_not_supported",
+                       "vLLM does not support layer_replication."))
+    for key, message in _UNSUPPORTED_FEATURES.items():
+        if not _absent(config.get(key)):
+            faults.append(("unsupported_feature", message))
+    if not _absent(config.get("context_length")):
+        faults.append(("long_context_not_supported", "context_length is set, but vLLM no "
+                       "longer applies long-context LoRA scaling and would silently ignore it"))
+    return faults
+
+
+def _lora_config(config: dict[str, Any]) -> _LoraConfig:
+    rank = config.get("r")
+    pattern = config.get("rank_pattern")
+    return _LoraConfig(
+        rank=rank if _positive_int(rank) else None,
+        rank_pattern={k: v for k, v in pattern.items() if _positive_int(v)}
+        if isinstance(pattern, dict)
+        else {},
+    )
+
+
+# ---- adapter_model.safetensors (checklist C1-C10, D1-D14) ---------------------------------
+
+
+def _check_weights(
+    folder: Path, rules: Rules, config: _LoraConfig | None, scan_values: bool
+) -> list[Problem]:
+    path = folder / WEIGHTS_FILE
+    with _open_regular(path) as f:
+        checked = check_safetensors(f, os.fstat(f.fileno()).st_size, path)
+        problems = [Problem(code, WEIGHTS_FILE, message) for code, message in checked.faults]
+        if checked.tensors is None:
+            return problems
+        problems.extend(_check_tensors(checked.tensors, config, rules, folder))
+        if scan_values and not problems:
+            problems.extend(
+                Problem("nonfinite_values", WEIGHTS_FILE, f"tensor `{shown(name)}` holds NaN "
+                        "or infinite values")
+                for name in find_nonfinite(f, checked.data_start, checked.tensors)
+            )
+    return problems
+
+
+def _check_tensors(
+    tensors: Sequence[TensorInfo], config: _LoraConfig | None, rules: Rules, folder: Path
+) -> list[Problem]:
+    problems: list[Problem] = []
+    halves_by_path: dict[str, dict[str, TensorInfo]] = {}
+    not_allowed: set[str] = set()
+    for tensor in tensors:
+        parsed = _LORA_NAME.fullmatch(tensor.name.removeprefix(_NAME_PREFIX))
+        if parsed is None:
+            problems.append(_tensor_problem("unsupported_tensor_name",
+                                            f"{shown(tensor.name)} is unsupported LoRA weight"))
+            continue
+        module = parsed["module"]
+        if module not in rules.allowed_target_modules:
+            not_allowed.add(module)
+            continue
+        if parsed["embedding_half"] and module != "embed_tokens":
+            problems.append(_tensor_problem("unsupported_tensor_name", f"{tensor.name}: "
+                                            "lora_embedding tensors belong to embed_tokens only"))
+            continue
+        halves = halves_by_path.setdefault(parsed["path"], {})
+        half = parsed["half"] or parsed["embedding_half"]
+        if half in halves:
+            problems.append(_tensor_problem("duplicate_lora_tensor", f"{tensor.name} and "
+                                            f"{halves[half].name} are the same LoRA weight"))
+        halves[half] = tensor
+    if not_allowed:
+        problems.append(_tensor_problem("module_not_allowed", f"While loading {folder}, "
+                                        f"expected target modules in "
+                                        f"{sorted(rules.allowed_target_modules)} but received "
+                                        f"{sorted(not_allowed)}. Please verify that the loaded "
+                                        "LoRA module is correct."))
+    if not halves_by_path:
+        problems.append(_tensor_problem("no_lora_tensors", "the file holds no LoRA tensors; "
+                                        "vLLM would silently serve the base model alone"))
+    for module_path, halves in sorted(halves_by_path.items()):
+        if "A" not in halves or "B" not in halves:
+            have, lack = ("A", "B") if "A" in halves else ("B", "A")
+            problems.append(_tensor_problem("missing_lora_pair", f"{module_path} has lora_{have} "
+                                            f"but no lora_{lack}; vLLM would fail while "
+                                            "activating the adapter"))
+            continue
+        rank = config.rank_for(module_path) if config is not None else None
+        problems.extend(_check_pair(module_path, halves["A"], halves["B"], rank, rules.shapes))
+    return problems
+
+
+def _check_pair(
+    module_path: str, a: TensorInfo, b: TensorInfo, rank: int | None, shapes: ModelShapes | None
+) -> list[Problem]:
+    """A is [r, in] and B is [out, r] (PEFT's layout), with the config's rank and, when the
+    base model is known, its in/out sizes (checklist C4, C6)."""
+    if len(a.shape) != 2 or len(b.shape) != 2:
+        return [_tensor_problem("lora_shape_mismatch", f"{module_path}: lora_A {list(a.shape)} "
+                                f"and lora_B {list(b.shape)} must both be 2-D")]
+    (rank_a, in_features), (out_features, rank_b) = a.shape, b.shape
+    problems = []
+    if rank_a != rank_b:
+        problems.append(_tensor_problem("lora_shape_mismatch", f"{module_path}: lora_A "
+                                        f"{list(a.shape)} and lora_B {list(b.shape)} disagree "
+                                        "on the rank"))
+    elif rank is not None and rank_a != rank:
+        problems.append(_tensor_problem("lora_shape_mismatch", f"{module_path}: the tensors "
+                                        f"have rank {rank_a}, {CONFIG_FILE} gives {rank}"))
+    module = module_path.rsplit(".", 1)[-1]
+    dims = shapes.module_dims(module) if shapes is not None else None
+    if shapes is None or dims is None:
+        return problems  # only Llama-family projections have known sizes
+    block = "self_attn" if module in ATTENTION_MODULES else "mlp"
+    where = _LLAMA_PATH.fullmatch(module_path)
+    if where is None or where["block"] != block:
+        # vLLM matches only the last name, so a wrong path loads and is never applied.
+        problems.append(_tensor_problem("module_path_mismatch", f"{module_path} is not a "
+                                        f"module of the base model (model.layers.N.{block}."
+                                        f"{module}); vLLM would silently not apply it"))
+    elif int(where["layer"]) >= shapes.num_hidden_layers:
+        problems.append(_tensor_problem("layer_out_of_range", f"{module_path}: the base model "
+                                        f"has {shapes.num_hidden_layers} layers; vLLM would "
+                                        "silently not apply it"))
+    if (in_features, out_features) != dims:
+        problems.append(_tensor_problem("base_shape_mismatch", f"{module_path}: in={in_features} "
+                                        f"out={out_features}, the base model's {module} has "
+                                        f"in={dims[0]} out={dims[1]}"))
+    return problems
+
+
+def _tensor_problem(code: str, message: str) -> Problem:
+    return Problem(code, WEIGHTS_FILE, shown(message, limit=1000))
+
+
+# ---- SHA256SUMS -----------------------------------------------------------------------------
+
+
+def _check_checksums(folder: Path, readable: set[str], sha256: Mapping[str, str]) -> list[Problem]:
+    data = _read_capped(folder / CHECKSUMS_FILE, CHECKSUMS_MAX_BYTES)
+    if data is None:
+        return [Problem("invalid_checksum_file", CHECKSUMS_FILE,
+                        f"larger than {CHECKSUMS_MAX_BYTES} bytes")]
+    try:
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError:
+        return [Problem("invalid_checksum_file", CHECKSUMS_FILE, "not UTF-8 text")]
+    problems = []
+    for number, line in enumerate(lines, start=1):
+        entry = _CHECKSUM_LINE.fullmatch(line)
+        if entry is None:
+            if line.strip():
+                problems.append(Problem("invalid_checksum_file", CHECKSUMS_FILE, f"line {number} "
+                                        "is not '<sha256>  <file name>'"))
+            continue
+        name, expected = entry["name"], entry["digest"].lower()
+        if name not in readable or name == CHECKSUMS_FILE:
+            problems.append(Problem("invalid_checksum_file", CHECKSUMS_FILE, f"line {number} "
+                                    f"lists {shown(name)}, which is not a file of the adapter"))
+            continue
+        actual = sha256.get(name) or _hash_file(folder / name)
+        if actual.lower() != expected:
+            problems.append(Problem("checksum_mismatch", name, f"SHA-256 is {actual.lower()}, "
+                                    f"{CHECKSUMS_FILE} says {expected}"))
+    return problems
+
+
+def _hash_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with _open_regular(path) as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ---- results --------------------------------------------------------------------------------
+
+
+def _bounded(problems: list[Problem]) -> list[Problem]:
+    counts = Counter(p.code for p in problems)
+    if all(n <= MAX_PROBLEMS_PER_CODE for n in counts.values()):
+        return problems
+    kept: list[Problem] = []
+    seen: Counter[str] = Counter()
+    for problem in problems:
+        seen[problem.code] += 1
+        if seen[problem.code] <= MAX_PROBLEMS_PER_CODE:
+            kept.append(problem)
+    for code, count in counts.items():
+        if count > MAX_PROBLEMS_PER_CODE:
+            kept.append(Problem(code, "", f"... and {count - MAX_PROBLEMS_PER_CODE} more "
+                                "problems of this kind"))
+    return kept
+
+
+def summarize(problems: Sequence[Problem]) -> str:
+    """One line for logs."""
+    if not problems:
+        return "valid"
+    shown_problems = "; ".join(f"{p.code} {p.file or '.'}: {p.message}" for p in problems[:5])
+    more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
+    return f"{len(problems)} problem(s): {shown_problems}{more}"
+
+
+def run_validate(path: Path, rules: Rules, *, as_json: bool, out: TextIO) -> int:
+    """The `validate` command: print the verdict on `out`; 0 when valid, 1 when not."""
+    problems = validate_adapter(path, rules)
+    if as_json:
+        verdict = {
+            "path": str(path),
+            "valid": not problems,
+            "problems": [p.to_json() for p in problems],
+        }
+        out.write(json.dumps(verdict, indent=2) + "\n")
+    elif not problems:
+        out.write(f"OK {path}\n")
+    else:
+        for p in problems:
+            out.write(f"{p.code}  {p.file or path}: {p.message}\n")
+    return 1 if problems else 0
+
+
+def _positive_int(value: object) -> TypeGuard[int]:
+    return type(value) is int and value > 0
+
+
+def _positive_number(value: object) -> bool:
+    if type(value) is int:
+        return value > 0
+    return type(value) is float and math.isfinite(value) and value > 0
+
+
+def _absent(value: object) -> bool:
+    """Unset in the ways PEFT writes "off": missing, null, false, empty, zero."""
+    return value is None or value is False or value == 0 or value in ([], {}, "")
+
+
+def _json(value: object) -> str:
+    return shown(json.dumps(value), limit=100)
+
+
+def _names(names: Sequence[str]) -> str:
+    return shown(", ".join(names), limit=300)
