@@ -5,6 +5,7 @@ tests live with routing.py; this file only converts.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ class TritonPythonModel:
             key: value.get("string_value", "")
             for key, value in config.get("parameters", {}).items()
         }
-        self._settings = routing.RouterSettings.from_parameters(parameters)
+        self._settings = routing.RouterSettings.from_deployment(parameters, os.environ)
         self._sidecar = routing.SidecarClient(self._settings)
         self._logger = pb_utils.Logger
 

@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -145,6 +145,21 @@ class RouterSettings:
             raise ValueError("multilora_router parameters: " + "; ".join(problems))
         return cls(url, timeouts["stage_timeout_s"], timeouts["sidecar_timeout_s"], vllm_model,
                    token)
+
+    @classmethod
+    def from_deployment(cls, parameters: Mapping[str, str],
+                        env: Mapping[str, str]) -> RouterSettings:
+        """The parameters, overridden by the container's LORA_SIDECAR_URL,
+        LORA_SIDECAR_API_TOKEN_FILE and LORA_SIDECAR_API_TOKEN: a deployment (compose) points
+        the router at its sidecar without editing config.pbtxt, which it mounts read-only."""
+        merged = dict(parameters)
+        for variable, key in (("LORA_SIDECAR_URL", "sidecar_url"),
+                              ("LORA_SIDECAR_API_TOKEN_FILE", "sidecar_api_token_file")):
+            if env.get(variable, "").strip():
+                merged[key] = env[variable]
+        settings = cls.from_parameters(merged)
+        token = env.get("LORA_SIDECAR_API_TOKEN", "").strip()
+        return replace(settings, api_token=token) if token else settings
 
 
 @dataclass(frozen=True, slots=True)
