@@ -207,11 +207,18 @@ async def stage(request: web.Request) -> web.Response:
     services = _services(request)
     body = await _body(request, "stage")
     adapter_id = check_adapter_id(body["adapter_id"])
-    if services.catalog is not None:
-        services.catalog.check_servable(adapter_id)
     result = await services.stager.stage(
         adapter_id, timeout_s=_stage_timeout(services, body), lease=body.get("lease", True)
     )
+    if services.catalog is not None:
+        # Checked after staging, so an unknown or invalid adapter says so first, and one not
+        # yet in Triton's catalog is on disk by the time Triton can serve it.
+        try:
+            services.catalog.check_servable(adapter_id)
+        except SidecarError:
+            if result.lease is not None:
+                services.store.release(result.lease.lease_id)
+            raise
     return web.json_response(_stage_view(services, result))
 
 

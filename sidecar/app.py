@@ -16,6 +16,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from .api import Services, build_web_app
+from .catalog import Catalog
 from .config import Settings, is_loopback
 from .errors import SidecarError, SourceUnavailable
 from .localsource import LocalSource
@@ -90,6 +91,7 @@ class Sidecar:
             on_trash=self.purge_trash,
             on_source_result=self._note_source_result,
         )
+        self.catalog = Catalog(settings, self.source, self.metrics)
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
         self._pins_pending = set(settings.pin)
@@ -103,7 +105,7 @@ class Sidecar:
             await self.source.open()
         services = Services(
             settings=self.settings, store=self.store, stager=self.stager, metrics=self.metrics,
-            readiness=self, purge_trash=self.purge_trash,
+            readiness=self, purge_trash=self.purge_trash, catalog=self.catalog,
         )
         app = build_web_app(services)
         self._runner = web.AppRunner(
@@ -125,6 +127,7 @@ class Sidecar:
             self.port = sockets[0].getsockname()[1]
         self._spawn(self._expire_leases_loop(), "leases")
         self._spawn(self._health_loop(), "health")
+        self._spawn(self.catalog.run(), "catalog")
         for adapter_id in self.settings.pin:
             self._spawn(self._stage_pin(adapter_id), f"pin:{adapter_id}")
         log.info("lora-sidecar listening on http://%s:%d registry=%s cache_root=%s",
@@ -140,6 +143,7 @@ class Sidecar:
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=SHUTDOWN_GRACE_S)
         await self.stager.close()
+        await self.catalog.close()
         await self.source.close()
         log.info("lora-sidecar stopped")
 
