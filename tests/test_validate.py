@@ -1,0 +1,478 @@
+"""Adapter validation: the broken-adapter corpus is refused with the right codes (directly and
+through `lora-sidecar validate`), valid adapters of several shapes pass, and the validator never
+reads more than it must."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from unittest.mock import ANY
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from sidecar.__main__ import main
+from sidecar.config import Settings
+from sidecar.errors import ConfigError
+from sidecar.examples import tensor_name, write_adapter
+from sidecar.shapes import ATTENTION_MODULES, MLP_MODULES, TINY_LLAMA
+from sidecar.validate import (
+    MAX_PROBLEMS_PER_CODE,
+    Problem,
+    Rules,
+    check_file_name,
+    run_validate,
+    summarize,
+    validate_adapter,
+)
+from tests.broken_adapters import CORPUS, WEIGHTS, BrokenAdapter, edit_config, write_parts
+
+ALL_LINEAR = ATTENTION_MODULES + MLP_MODULES
+
+
+def codes(problems: list[Problem]) -> set[str]:
+    return {p.code for p in problems}
+
+
+def bytes_read_by_process() -> int:
+    """Bytes this process has read through read(2) and friends (mmap is not counted)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=lambda case: case.name)
+def test_broken_adapter_is_refused_with_its_own_code(tmp_path: Path, case: BrokenAdapter) -> None:
+    case.write(tmp_path / case.name)
+
+    problems = validate_adapter(tmp_path / case.name, case.rules())
+
+    assert codes(problems) == case.codes, [p.to_json() for p in problems]
+    assert all(p.message for p in problems)
+
+
+def test_corpus_adapters_pass_once_the_rule_is_relaxed(tmp_path: Path) -> None:
+    # The surgery breaks one rule only: the same adapter is fine where that rule is not in force.
+    case = next(c for c in CORPUS if c.name == "rank_above_limit")
+    case.write(tmp_path / "a")
+
+    assert validate_adapter(tmp_path / "a", Rules(max_lora_rank=32)) == []
+
+
+@pytest.mark.parametrize(
+    ("rank", "modules", "dtype", "with_base_config"),
+    [
+        (8, ("q_proj", "v_proj"), "float16", False),
+        (8, ATTENTION_MODULES, "bfloat16", True),
+        (16, ALL_LINEAR, "float16", True),
+        (16, ALL_LINEAR, "bfloat16", False),
+        (4, ("q_proj", "k_proj", "down_proj"), "float32", True),
+        (1, ("o_proj",), "bfloat16", True),
+    ],
+)
+def test_valid_adapter_passes(
+    tmp_path: Path, rank: int, modules: tuple[str, ...], dtype: str, with_base_config: bool
+) -> None:
+    write_adapter(tmp_path / "a", rank=rank, target_modules=modules, dtype=dtype, seed=rank)
+    rules = Rules(shapes=TINY_LLAMA if with_base_config else None, base_model="tiny-llama")
+
+    assert validate_adapter(tmp_path / "a", rules) == []
+    assert validate_adapter(tmp_path / "a", rules, scan_values=True) == []
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    folder = tmp_path / "a"
+    write_adapter(folder, rank=32)
+    edit_config(folder, use_dora=True)
+    (folder / "adapter_model.bin").write_bytes(b"pickle")
+    with (folder / WEIGHTS).open("ab") as f:
+        f.write(b"tail")
+
+    problems = validate_adapter(folder, Rules())
+
+    assert codes(problems) == {
+        "rank_too_large", "dora_not_supported", "forbidden_file", "safetensors_length_mismatch",
+    }  # fmt: skip
+    by_code = {p.code: p for p in problems}
+    assert by_code["forbidden_file"].file == "adapter_model.bin"
+    assert by_code["rank_too_large"].file == "adapter_config.json"
+    assert by_code["safetensors_length_mismatch"].file == WEIGHTS
+
+
+def test_messages_quote_vllm_where_it_has_one(tmp_path: Path) -> None:
+    write_adapter(tmp_path / "a", rank=32, target_modules=("q_proj", "v_proj"))
+
+    problems = validate_adapter(tmp_path / "a", Rules(allowed_target_modules=frozenset({"q_proj"})))
+
+    messages = {p.message for p in problems}
+    assert "LoRA rank 32 is greater than max_lora_rank 16." in messages
+    assert (
+        f"While loading {tmp_path / 'a'}, expected target modules in ['q_proj'] but received "
+        "['v_proj']. Please verify that the loaded LoRA module is correct." in messages
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "code"),
+    [
+        ("adapter_config.json", None),
+        ("adapter_model.safetensors", None),
+        ("README.md", None),
+        ("SHA256SUMS", None),
+        ("adapter_model.bin", "forbidden_file"),
+        ("optimizer.pt", "forbidden_file"),
+        ("rng_state.pth", "forbidden_file"),
+        ("scheduler.PKL", "forbidden_file"),
+        ("last.ckpt", "forbidden_file"),
+        ("modeling_custom.py", "forbidden_file"),
+        ("tokenizer.json", "forbidden_file"),
+        ("new_embeddings.safetensors", "forbidden_file"),
+        ("training_args.json", "unexpected_file"),
+        ("Adapter_Config.json", "unexpected_file"),
+        ("", "nested_path"),
+        ("..", "nested_path"),
+        ("checkpoint-100/adapter_model.safetensors", "nested_path"),
+        ("..\\adapter_config.json", "nested_path"),
+    ],
+)
+def test_file_names_are_checked_before_download(name: str, code: str | None) -> None:
+    problem = check_file_name(name)
+
+    assert (problem.code if problem else None) == code
+    if problem is not None:
+        assert problem.file == name
+
+
+def test_a_200mb_header_claim_is_refused_without_reading_it(tmp_path: Path) -> None:
+    folder = tmp_path / "a"
+    write_adapter(folder)
+    claim = 200_000_000
+    with (folder / WEIGHTS).open("r+b") as f:
+        f.write(struct.pack("<Q", claim))
+        f.truncate(8 + claim + 1024)  # sparse: the claim fits in the file, so only size refuses it
+
+    before = bytes_read_by_process()
+    problems = validate_adapter(folder, Rules())
+    read = bytes_read_by_process() - before
+
+    assert codes(problems) == {"safetensors_header_too_large"}
+    assert read < 64 * 1024
+
+
+def test_tensor_data_is_not_read_unless_values_are_scanned(tmp_path: Path) -> None:
+    folder = tmp_path / "a"
+    write_adapter(folder, rank=16, target_modules=ALL_LINEAR, dtype="float32")
+    size = (folder / WEIGHTS).stat().st_size
+
+    before = bytes_read_by_process()
+    assert validate_adapter(folder, Rules()) == []
+    plain = bytes_read_by_process() - before
+    before = bytes_read_by_process()
+    assert validate_adapter(folder, Rules(), scan_values=True) == []
+    scanned = bytes_read_by_process() - before
+
+    assert plain < size // 4
+    assert scanned >= size
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_nonfinite_values_are_refused_only_when_scanned(
+    tmp_path: Path, dtype: str, value: float
+) -> None:
+    folder = tmp_path / "a"
+    write_adapter(folder, dtype=dtype)
+    path = folder / WEIGHTS
+    raw = bytearray(path.read_bytes())
+    (header_bytes,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + header_bytes])
+    target = tensor_name(1, "v_proj", "B")
+    begin = 8 + header_bytes + header[target]["data_offsets"][0]
+    encoded = {
+        "float16": np.float16(value).tobytes(),
+        "float32": np.float32(value).tobytes(),
+        "bfloat16": np.float32(value).tobytes()[2:],  # bfloat16 is float32's top half
+    }[dtype]
+    raw[begin + 8 : begin + 8 + len(encoded)] = encoded  # the third word: aligned for all
+    path.write_bytes(bytes(raw))
+
+    assert validate_adapter(folder, Rules()) == []
+    problems = validate_adapter(folder, Rules(), scan_values=True)
+    assert codes(problems) == {"nonfinite_values"}
+    assert target in problems[0].message
+
+
+def test_rank_pattern_gives_a_module_its_own_rank(tmp_path: Path) -> None:
+    folder = tmp_path / "a"
+    write_adapter(folder, rank=8)
+    edit_config(folder, rank_pattern={"model.layers.1.self_attn.q_proj": 4})
+    tensors = load_file(str(folder / WEIGHTS))
+    tensors[tensor_name(1, "q_proj", "A")] = np.zeros((4, 64), np.float16)
+    tensors[tensor_name(1, "q_proj", "B")] = np.zeros((64, 4), np.float16)
+    save_file(tensors, str(folder / WEIGHTS))
+
+    assert validate_adapter(folder, Rules(shapes=TINY_LLAMA)) == []
+
+    edit_config(folder, rank_pattern={})
+    problems = validate_adapter(folder, Rules())
+    assert codes(problems) == {"lora_shape_mismatch"}
+    assert "rank 4" in problems[0].message
+
+
+def test_embedding_tensors_need_embed_tokens_allowed(tmp_path: Path) -> None:
+    folder = tmp_path / "a"
+    write_adapter(folder)
+    tensors = load_file(str(folder / WEIGHTS))
+    tensors["base_model.model.model.embed_tokens.lora_embedding_A"] = np.zeros((8, 100), np.float16)
+    tensors["base_model.model.model.embed_tokens.lora_embedding_B"] = np.zeros((64, 8), np.float16)
+    save_file(tensors, str(folder / WEIGHTS))
+
+    assert codes(validate_adapter(folder, Rules())) == {"module_not_allowed"}
+    allowed = Rules(allowed_target_modules=frozenset({"q_proj", "v_proj", "embed_tokens"}))
+    assert validate_adapter(folder, allowed) == []
+
+
+def test_checksums_file_is_checked_with_given_digests(tmp_path: Path) -> None:
+    folder = tmp_path / "a"
+    write_adapter(folder)
+    digests = {
+        name: hashlib.sha256((folder / name).read_bytes()).hexdigest()
+        for name in ("adapter_config.json", WEIGHTS)
+    }
+    lines = [f"{digest}  {name}" for name, digest in digests.items()]
+    (folder / "SHA256SUMS").write_text("\n".join(lines) + "\n")
+
+    assert validate_adapter(folder, Rules()) == []
+    assert validate_adapter(folder, Rules(), sha256=digests) == []
+    # Digests computed while downloading are trusted over re-reading the file.
+    wrong = {**digests, WEIGHTS: "ab" * 32}
+    problems = validate_adapter(folder, Rules(), sha256=wrong)
+    assert [(p.code, p.file) for p in problems] == [("checksum_mismatch", WEIGHTS)]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"not a checksum line\n",
+        b"a" * 64 + b"  adapter_model.bin\n",
+        b"a" * 64 + b"  SHA256SUMS\n",
+        b"\xff\xfe not text",
+    ],
+)
+def test_malformed_checksums_file_is_refused(tmp_path: Path, content: bytes) -> None:
+    folder = tmp_path / "a"
+    write_adapter(folder)
+    (folder / "SHA256SUMS").write_bytes(content)
+
+    assert codes(validate_adapter(folder, Rules())) == {"invalid_checksum_file"}
+
+
+def test_folder_problems_are_reported_not_raised(tmp_path: Path) -> None:
+    write_adapter(tmp_path / "real")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    (tmp_path / "file").write_text("x")
+
+    assert codes(validate_adapter(tmp_path / "missing", Rules())) == {"read_error"}
+    assert codes(validate_adapter(tmp_path / "file", Rules())) == {"not_a_folder"}
+    assert codes(validate_adapter(tmp_path / "link", Rules())) == {"symlink"}
+    (tmp_path / "empty").mkdir()
+    assert [(p.code, p.file) for p in validate_adapter(tmp_path / "empty", Rules())] == [
+        ("missing_file", "adapter_config.json"),
+        ("missing_file", WEIGHTS),
+    ]
+
+
+def test_special_files_and_hard_links_are_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "a"
+    write_adapter(folder)
+    os.mkfifo(folder / "README")
+    os.link(folder / "adapter_config.json", tmp_path / "elsewhere.json")
+
+    problems = validate_adapter(folder, Rules())
+
+    assert {(p.code, p.file) for p in problems} == {
+        ("not_regular_file", "README"),
+        ("hard_link", "adapter_config.json"),
+    }
+
+
+def test_an_io_error_on_one_file_is_that_files_problem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "a"
+    write_adapter(folder)
+    real_open = os.open
+
+    def failing_open(path: object, *args: object, **kwargs: object) -> int:
+        # A disk error cannot be produced on demand (and root reads any file), so fake one.
+        if Path(str(path)).name == "adapter_config.json":
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", failing_open)
+
+    problems = validate_adapter(folder, Rules())
+
+    assert [(p.code, p.file) for p in problems] == [("read_error", "adapter_config.json")]
+    assert "Input/output error" in problems[0].message
+
+
+def test_config_larger_than_the_cap_is_not_parsed(tmp_path: Path) -> None:
+    folder = tmp_path / "a"
+    write_adapter(folder)
+    with (folder / "adapter_config.json").open("a") as f:
+        f.write(" " * 1024**2)
+
+    assert codes(validate_adapter(folder, Rules())) == {"config_too_large"}
+
+
+def test_problems_of_one_kind_are_bounded(tmp_path: Path) -> None:
+    folder = tmp_path / "a"
+    write_adapter(folder)
+    header = {f"junk.{i}": {"dtype": "F16", "shape": [1], "data_offsets": [2 * i, 2 * i + 2]}
+              for i in range(500)}  # fmt: skip
+    write_parts(folder / WEIGHTS, header, bytes(1000))
+
+    problems = validate_adapter(folder, Rules())
+
+    junk = [p for p in problems if p.code == "unsupported_tensor_name"]
+    assert len(junk) == MAX_PROBLEMS_PER_CODE + 1
+    assert "480 more" in junk[-1].message
+
+
+def test_odd_tensor_names_cannot_break_a_log_line(tmp_path: Path) -> None:
+    folder = tmp_path / "a"
+    write_adapter(folder)
+    name = "evil\nname\u202e" + "x" * 5000
+    write_parts(folder / WEIGHTS, {name: {"dtype": "F16", "shape": [1], "data_offsets": [0, 2]}},
+                bytes(2))
+
+    problems = validate_adapter(folder, Rules())
+    line = summarize(problems)
+
+    assert codes(problems) == {"unsupported_tensor_name", "no_lora_tensors"}
+    assert "\n" not in line and "\u202e" not in line
+    assert len(line) < 2000
+
+
+def test_summarize_is_one_line() -> None:
+    problems = [Problem("forbidden_file", f"f{i}.bin", "pickle") for i in range(7)]
+
+    assert summarize([]) == "valid"
+    assert summarize(problems).startswith("7 problem(s): forbidden_file f0.bin: pickle;")
+    assert summarize(problems).endswith("(+2 more)")
+
+
+def test_rules_come_from_settings(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_LLAMA.to_config()))
+    settings = Settings.from_values({
+        "max_lora_rank": "32", "allowed_target_modules": "q_proj,v_proj",
+        "base_model": "tiny-llama", "base_model_config": str(config),
+    })  # fmt: skip
+
+    rules = Rules.from_settings(settings)
+
+    assert rules == Rules(32, frozenset({"q_proj", "v_proj"}), "tiny-llama", TINY_LLAMA)
+    config.write_text('{"hidden_size": "big"}')
+    with pytest.raises(ConfigError, match="base-model-config"):
+        Rules.from_settings(settings)
+
+
+def test_run_validate_prints_a_verdict_and_returns_an_exit_code(tmp_path: Path) -> None:
+    write_adapter(tmp_path / "good")
+    write_adapter(tmp_path / "bad", rank=32)
+    (tmp_path / "bad" / "x.pt").write_bytes(b"")
+
+    out = io.StringIO()
+    assert run_validate(tmp_path / "good", Rules(), as_json=False, out=out) == 0
+    assert out.getvalue() == f"OK {tmp_path / 'good'}\n"
+
+    out = io.StringIO()
+    assert run_validate(tmp_path / "bad", Rules(), as_json=False, out=out) == 1
+    assert out.getvalue().splitlines() == [
+        "forbidden_file  x.pt: pickle-based weights can run code when loaded; only "
+        "adapter_model.safetensors is accepted",
+        "rank_too_large  adapter_config.json: LoRA rank 32 is greater than max_lora_rank 16.",
+    ]
+
+    out = io.StringIO()
+    assert run_validate(tmp_path / "bad", Rules(), as_json=True, out=out) == 1
+    verdict = json.loads(out.getvalue())
+    assert verdict["path"] == str(tmp_path / "bad") and verdict["valid"] is False
+    assert {p["code"] for p in verdict["problems"]} == {"rank_too_large", "forbidden_file"}
+
+
+
+# ---- the `lora-sidecar validate` command ----------------------------------------------------
+
+
+def cli_args(case: BrokenAdapter, folder: Path, tmp_path: Path) -> list[str]:
+    args = ["validate", str(folder)]
+    if case.base_model is not None:
+        args += ["--base-model", case.base_model]
+    if case.base_shapes is not None:
+        config = tmp_path / "base-config.json"
+        config.write_text(json.dumps(case.base_shapes.to_config()))
+        args += ["--base-model-config", str(config)]
+    return args
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=lambda case: case.name)
+def test_validate_command_refuses_broken_adapter(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: BrokenAdapter
+) -> None:
+    case.write(tmp_path / case.name)
+
+    exit_code = main(cli_args(case, tmp_path / case.name, tmp_path))
+
+    lines = capsys.readouterr().out.splitlines()
+    assert exit_code == 1
+    assert {line.split("  ", 1)[0] for line in lines} == case.codes, lines
+
+
+def run_command(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sidecar", "validate", *args],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+def test_validate_command_passes_a_valid_adapter(tmp_path: Path) -> None:
+    write_adapter(tmp_path / "a", rank=16, target_modules=ALL_LINEAR, dtype="bfloat16")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY_LLAMA.to_config()))
+
+    done = run_command(str(tmp_path / "a"), "--base-model-config", str(config),
+                       "--base-model", "tiny-llama")
+
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"OK {tmp_path / 'a'}\n", "")
+
+
+def test_validate_command_lists_every_problem_and_fails(tmp_path: Path) -> None:
+    next(c for c in CORPUS if c.name == "rank_above_limit").write(tmp_path / "a")
+    (tmp_path / "a" / "optimizer.pt").write_bytes(b"")
+
+    done = run_command(str(tmp_path / "a"), "--allowed-target-modules", "q_proj")
+
+    assert done.returncode == 1
+    assert [line.split("  ", 1)[0] for line in done.stdout.splitlines()] == [
+        "forbidden_file", "rank_too_large", "module_not_allowed", "module_not_allowed",
+    ]  # fmt: skip
+    relaxed = run_command(str(tmp_path / "a"), "--max-lora-rank", "32", "--json")
+    assert relaxed.returncode == 1
+    verdict = json.loads(relaxed.stdout)
+    assert verdict == {
+        "path": str(tmp_path / "a"),
+        "valid": False,
+        "problems": [{"code": "forbidden_file", "file": "optimizer.pt", "message": ANY}],
+    }
