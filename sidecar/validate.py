@@ -1,13 +1,12 @@
 """Adapter validation: refuse, before it is published, every adapter vLLM cannot load or that is
-unsafe, and name every reason at once. Plain synchronous functions: the core runs them in a
-thread, `lora-sidecar validate` runs them directly. Rules: ../shared vLLM adapter checklist A-D.
+unsafe, naming every reason at once. Plain synchronous functions (the core runs them in a thread);
+rule ids such as A7 or C4 refer to the vLLM adapter acceptance checklist, sections A-D.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import re
 import stat
@@ -15,16 +14,12 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, TextIO, TypeGuard
+from typing import BinaryIO, TextIO
 
+from .adapter_config import LoraConfig, check_adapter_config
 from .config import LLAMA_TARGET_MODULES, Settings
 from .errors import ConfigError
-from .safetensors_check import (
-    TensorInfo,
-    check_safetensors,
-    find_nonfinite,
-    shown,
-)
+from .safetensors_check import TensorInfo, check_safetensors, find_nonfinite, shown
 from .shapes import ATTENTION_MODULES, ModelShapes
 
 CONFIG_FILE = "adapter_config.json"
@@ -48,12 +43,6 @@ _TOKENIZER_FILES = frozenset({
     "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
     "added_tokens.json", "vocab.json", "merges.txt",
 })  # fmt: skip
-_SUPPORTED_INITS = frozenset({"gaussian", "eva", "orthogonal", "mica", "lora_ga"})
-_UNSUPPORTED_FEATURES = {
-    "alora_invocation_tokens": "vLLM does not support Activated LoRA (aLoRA).",
-    "use_bdlora": "vLLM does not support block-diagonal LoRA (BD-LoRA).",
-    "use_qalora": "vLLM does not support QALoRA.",
-}
 _NAME_PREFIX = "base_model.model."
 _LORA_NAME = re.compile(
     r"(?P<path>(?:[A-Za-z0-9_]+\.)*(?P<module>[A-Za-z0-9_]+))"
@@ -96,21 +85,6 @@ class Rules:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class _LoraConfig:
-    """What the tensor checks need from a config: the rank, and per-module exceptions."""
-
-    rank: int | None
-    rank_pattern: Mapping[str, int]
-
-    def rank_for(self, module_path: str) -> int | None:
-        # vLLM 0.34: a key matches a suffix of the module name at a "." boundary; first wins.
-        for key, rank in self.rank_pattern.items():
-            if module_path == key or module_path.endswith("." + key):
-                return rank
-        return self.rank
-
-
 def check_file_name(name: str) -> Problem | None:
     """Whether a file of this name may be part of an adapter; used on a registry listing too,
     so a forbidden file is refused before it is downloaded."""
@@ -143,7 +117,7 @@ def validate_adapter(
     folder holds. `sha256` maps file names to digests already computed while downloading.
     `scan_values` also reads every tensor value to refuse NaN and infinity (slower)."""
     problems, readable = _check_folder(folder)
-    config: _LoraConfig | None = None
+    config: LoraConfig | None = None
     # A file that cannot be read (a race with a deletion, an I/O error) is that file's problem.
     if CONFIG_FILE in readable:
         try:
@@ -231,162 +205,25 @@ def _read_capped(path: Path, limit_bytes: int) -> bytes | None:
         return data if len(data) <= limit_bytes else None
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:
-            raise ValueError(f"duplicate key {key!r}")
-        obj[key] = value
-    return obj
-
-
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-# ---- adapter_config.json (checklist A2, A3, B1-B17) ---------------------------------------
-
-
-def _check_config(folder: Path, rules: Rules) -> tuple[list[Problem], _LoraConfig | None]:
+def _check_config(folder: Path, rules: Rules) -> tuple[list[Problem], LoraConfig | None]:
     data = _read_capped(folder / CONFIG_FILE, CONFIG_MAX_BYTES)
     if data is None:
         return [Problem("config_too_large", CONFIG_FILE,
                         f"larger than {CONFIG_MAX_BYTES} bytes")], None
-    try:
-        config = json.loads(
-            data.decode("utf-8"),
-            object_pairs_hook=_no_duplicate_keys,
-            parse_constant=_refuse_constant,
-        )
-    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        return [Problem("config_invalid_json", CONFIG_FILE,
-                        f"not valid JSON: {shown(str(exc))}")], None
-    if not isinstance(config, dict):
-        return [Problem("config_invalid_json", CONFIG_FILE,
-                        "the top level is not a JSON object")], None
-    faults = _config_faults(config, rules)
-    return [Problem(code, CONFIG_FILE, message) for code, message in faults], _lora_config(config)
-
-
-def _config_faults(config: dict[str, Any], rules: Rules) -> list[tuple[str, str]]:
-    faults: list[tuple[str, str]] = []
-    if config.get("peft_type") != "LORA":
-        faults.append(("not_lora", f"peft_type is {_json(config.get('peft_type'))}, not \"LORA\""))
-    missing = {"r", "lora_alpha", "target_modules"} - set(config)
-    if missing:
-        faults.append(("missing_config_field",
-                       f"Missing required configuration fields: {sorted(missing)}"))
-    rank = config.get("r")
-    if "r" in config and not _positive_int(rank):
-        faults.append(("invalid_rank", f"LoRA rank `r` must be a positive integer, got "
-                       f"{_json(rank)}."))
-    elif _positive_int(rank) and rank > rules.max_lora_rank:
-        faults.append(("rank_too_large",
-                       f"LoRA rank {rank} is greater than max_lora_rank {rules.max_lora_rank}."))
-    faults.extend(_rank_pattern_faults(config.get("rank_pattern"), rules.max_lora_rank))
-    faults.extend(_alpha_faults(config))
-    faults.extend(_target_module_faults(config, rules))
-    faults.extend(_feature_faults(config))
-    if rules.base_model is not None and config.get("base_model_name_or_path") != rules.base_model:
-        faults.append(("base_model_mismatch", "base_model_name_or_path is "
-                       f"{_json(config.get('base_model_name_or_path'))}, but this server serves "
-                       f"{_json(rules.base_model)}"))
-    return faults
-
-
-def _rank_pattern_faults(pattern: object, max_lora_rank: int) -> list[tuple[str, str]]:
-    if pattern is None:
-        return []
-    if not isinstance(pattern, dict):
-        return [("invalid_rank_pattern", f"rank_pattern must be an object, got {_json(pattern)}")]
-    faults = [
-        ("invalid_rank_pattern",
-         f"LoRA rank for `{shown(key)}` in `rank_pattern` must be a positive integer, got "
-         f"{_json(value)}.")
-        for key, value in pattern.items()
-        if not _positive_int(value)
-    ]
-    too_large = [v for v in pattern.values() if _positive_int(v) and v > max_lora_rank]
-    if too_large:
-        faults.append(("rank_pattern_too_large", f"LoRA rank {max(too_large)} is greater than "
-                       f"max_lora_rank {max_lora_rank}. (from rank_pattern)"))
-    return faults
-
-
-def _alpha_faults(config: dict[str, Any]) -> list[tuple[str, str]]:
-    faults = []
-    if "lora_alpha" in config and not _positive_number(config["lora_alpha"]):
-        faults.append(("invalid_lora_alpha", "lora_alpha must be a finite number above 0, got "
-                       f"{_json(config['lora_alpha'])}"))
-    pattern = config.get("alpha_pattern")
-    if pattern is not None and not (
-        isinstance(pattern, dict) and all(_positive_number(v) for v in pattern.values())
-    ):
-        faults.append(("invalid_lora_alpha", "alpha_pattern must map module names to finite "
-                       "numbers above 0"))
-    return faults
-
-
-def _target_module_faults(config: dict[str, Any], rules: Rules) -> list[tuple[str, str]]:
-    modules = config.get("target_modules")
-    if "target_modules" not in config:
-        return []
-    if not (isinstance(modules, list) and modules and all(isinstance(m, str) for m in modules)):
-        # PEFT also allows a regex string, which cannot be checked against the allowed list.
-        return [("invalid_target_modules", "target_modules must be a non-empty list of module "
-                 f"names, got {_json(modules)}")]
-    unexpected = sorted(set(modules) - rules.allowed_target_modules)
-    if unexpected:
-        return [("module_not_allowed", f"target_modules lists {_names(unexpected)}; this "
-                 f"server allows {_names(sorted(rules.allowed_target_modules))}")]
-    return []
-
-
-def _feature_faults(config: dict[str, Any]) -> list[tuple[str, str]]:
-    """Features vLLM refuses at load time, or silently serves wrongly (B8-B13, B17)."""
-    faults = []
-    if not _absent(config.get("use_dora")):
-        faults.append(("dora_not_supported", "vLLM does not yet support DoRA."))
-    if config.get("bias", "none") != "none":
-        faults.append(("bias_not_supported", "Adapter bias is not supported."))
-    if not _absent(config.get("lora_bias")):
-        faults.append(("bias_not_supported", "vLLM does not support LoRA bias (lora_bias)."))
-    if not _absent(config.get("modules_to_save")):
-        faults.append(("modules_to_save_not_supported",
-                       "vLLM only supports modules_to_save being None."))
-    init = config.get("init_lora_weights", True)
-    if not (isinstance(init, bool) or (isinstance(init, str) and init.lower() in _SUPPORTED_INITS)):
-        faults.append(("init_not_supported", f"vLLM does not support init_lora_weights="
-                       f"{_json(init)}. Inits such as PiSSA, OLoRA, CorDA and LoftQ modify "
-                       "the base model weights."))
-    if not _absent(config.get("layer_replication")):
-        faults.append(("layer_replication_not_supported",
-                       "vLLM does not support layer_replication."))
-    for key, message in _UNSUPPORTED_FEATURES.items():
-        if not _absent(config.get(key)):
-            faults.append(("unsupported_feature", message))
-    if not _absent(config.get("context_length")):
-        faults.append(("long_context_not_supported", "context_length is set, but vLLM no "
-                       "longer applies long-context LoRA scaling and would silently ignore it"))
-    return faults
-
-
-def _lora_config(config: dict[str, Any]) -> _LoraConfig:
-    rank = config.get("r")
-    pattern = config.get("rank_pattern")
-    return _LoraConfig(
-        rank=rank if _positive_int(rank) else None,
-        rank_pattern={k: v for k, v in pattern.items() if _positive_int(v)}
-        if isinstance(pattern, dict)
-        else {},
+    faults, config = check_adapter_config(
+        data,
+        max_lora_rank=rules.max_lora_rank,
+        allowed_target_modules=rules.allowed_target_modules,
+        base_model=rules.base_model,
     )
+    return [Problem(code, CONFIG_FILE, message) for code, message in faults], config
 
 
 # ---- adapter_model.safetensors (checklist C1-C10, D1-D14) ---------------------------------
 
 
 def _check_weights(
-    folder: Path, rules: Rules, config: _LoraConfig | None, scan_values: bool
+    folder: Path, rules: Rules, config: LoraConfig | None, scan_values: bool
 ) -> list[Problem]:
     path = folder / WEIGHTS_FILE
     with _open_regular(path) as f:
@@ -405,7 +242,7 @@ def _check_weights(
 
 
 def _check_tensors(
-    tensors: Sequence[TensorInfo], config: _LoraConfig | None, rules: Rules, folder: Path
+    tensors: Sequence[TensorInfo], config: LoraConfig | None, rules: Rules, folder: Path
 ) -> list[Problem]:
     problems: list[Problem] = []
     halves_by_path: dict[str, dict[str, TensorInfo]] = {}
@@ -579,26 +416,3 @@ def run_validate(path: Path, rules: Rules, *, as_json: bool, out: TextIO) -> int
         for p in problems:
             out.write(f"{p.code}  {p.file or path}: {p.message}\n")
     return 1 if problems else 0
-
-
-def _positive_int(value: object) -> TypeGuard[int]:
-    return type(value) is int and value > 0
-
-
-def _positive_number(value: object) -> bool:
-    if type(value) is int:
-        return value > 0
-    return type(value) is float and math.isfinite(value) and value > 0
-
-
-def _absent(value: object) -> bool:
-    """Unset in the ways PEFT writes "off": missing, null, false, empty, zero."""
-    return value is None or value is False or value == 0 or value in ([], {}, "")
-
-
-def _json(value: object) -> str:
-    return shown(json.dumps(value), limit=100)
-
-
-def _names(names: Sequence[str]) -> str:
-    return shown(", ".join(names), limit=300)
