@@ -157,6 +157,9 @@ class Sidecar:
         problems = self.health.problems()
         if pending:
             problems.append(f"pinned adapters not staged yet: {', '.join(pending)}")
+        catalog_problem = self.catalog.problem()
+        if catalog_problem is not None:
+            problems.append(catalog_problem)
         return problems
 
     # ---- start-up recovery -------------------------------------------------------------

@@ -182,6 +182,14 @@ class Catalog:
             adapter_id=adapter_id,
         )
 
+    def problem(self) -> str | None:
+        """Why the sidecar is not ready on the catalog's account: Triton's vLLM model cannot
+        load before multi_lora.json exists."""
+        if self._rendered is not None:
+            return None
+        why = f": {self._list_error}" if self._list_error else ""
+        return f"catalog: {self.path.name} not rendered yet (the registry is not listed{why})"
+
     def status(self) -> dict[str, Any]:
         rendered, loaded = self._rendered, self._loaded
         ids = sorted(rendered.adapter_ids) if rendered else []

@@ -320,3 +320,17 @@ async def test_an_adapter_not_listed_yet_asks_for_an_early_listing(world: World)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+async def test_the_sidecar_is_not_ready_until_a_catalog_is_rendered(world: World) -> None:
+    catalog = world.catalog()
+    shutil.rmtree(world.tmp_path / "registry")
+
+    await catalog.sync()
+
+    problem = catalog.problem()
+    assert problem is not None and "multi_lora.json not rendered yet" in problem
+    assert "does not exist" in problem
+    world.add_adapter("a1")
+    await catalog.sync()
+    assert catalog.problem() is None
