@@ -23,6 +23,7 @@ from sidecar.__main__ import main
 from sidecar.config import Settings
 from sidecar.errors import ConfigError
 from sidecar.examples import tensor_name, write_adapter
+from sidecar.safetensors_check import check_safetensors
 from sidecar.shapes import ATTENTION_MODULES, MLP_MODULES, TINY_LLAMA
 from sidecar.validate import (
     MAX_PROBLEMS_PER_CODE,
@@ -476,3 +477,31 @@ def test_validate_command_lists_every_problem_and_fails(tmp_path: Path) -> None:
         "valid": False,
         "problems": [{"code": "forbidden_file", "file": "optimizer.pt", "message": ANY}],
     }
+
+
+@pytest.mark.parametrize(
+    ("header", "data"),
+    [
+        ({}, b""),
+        ({"__metadata__": {"format": "pt"}}, b""),
+        ({"s": {"dtype": "F32", "shape": [], "data_offsets": [0, 4]}}, bytes(4)),
+        ({"z": {"dtype": "F16", "shape": [0, 64], "data_offsets": [0, 0]}}, b""),
+        ({"b": {"dtype": "F16", "shape": [2], "data_offsets": [4, 8]},
+          "a": {"dtype": "BF16", "shape": [2], "data_offsets": [0, 4]}}, bytes(8)),
+    ],
+    ids=["empty", "metadata_only", "scalar", "zero_size", "any_order"],
+)
+def test_layouts_the_reference_reader_accepts_pass_the_structure_check(
+    tmp_path: Path, header: dict[str, object], data: bytes
+) -> None:
+    # Checklist D12: stricter only where policy says so, never by accident.
+    path = tmp_path / WEIGHTS
+    write_parts(path, header, data)
+
+    with path.open("rb") as f:
+        checked = check_safetensors(f, path.stat().st_size, path)
+
+    assert checked.faults == ()
+    assert checked.tensors is not None and len(checked.tensors) == len(header) - (
+        "__metadata__" in header
+    )
