@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from sidecar.app import Sidecar
 from sidecar.config import Settings
 from sidecar.examples import write_adapter
+from tests.processes import SidecarProcess
 from tests.s3proxy import S3Proxy
 
 BUCKET = "adapters"
@@ -179,6 +180,18 @@ async def call(
             return response.status, json.loads(text)
         except ValueError:
             return response.status, text
+
+
+@pytest.fixture
+def sidecar_processes() -> Iterator[list[SidecarProcess]]:
+    """Sidecar child processes a test started; killed after it if still running."""
+    started: list[SidecarProcess] = []
+    yield started
+    for process in started:
+        if process.process.poll() is None:
+            process.process.kill()
+            process.process.wait(10)
+        process.stop()
 
 
 def local_registry_adapter(tmp_path: Path, adapter_id: str, **kwargs: Any) -> Path:

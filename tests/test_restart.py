@@ -4,15 +4,7 @@ re-indexed from their records, anything else is quarantined."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -26,6 +18,7 @@ from tests.conftest import (
     local_registry_adapter,
     make_settings,
 )
+from tests.processes import SidecarProcess, stage_blocking
 
 
 async def test_restart_reindexes_records_and_cleans_staging_and_trash(
@@ -82,69 +75,6 @@ async def test_restart_enforces_a_smaller_budget(
 
 
 # ---- SIGKILL part-way through a download ----------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class SidecarProcess:
-    """`python -m sidecar serve` in a child process, for tests that kill it."""
-
-    def __init__(self, args: list[str], log_path: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "sidecar", "serve", "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ),
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"{self.url}/healthz", timeout=1).close()
-                return
-            except OSError:
-                if self.process.poll() is not None:
-                    break
-                time.sleep(0.05)
-        self.stop()
-        raise AssertionError(f"sidecar did not start; see {log_path}")
-
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(10)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(20)
-        self._log.close()
-
-
-@pytest.fixture
-def sidecar_processes() -> Iterator[list[SidecarProcess]]:
-    started: list[SidecarProcess] = []
-    yield started
-    for process in started:
-        if process.process.poll() is None:
-            process.process.kill()
-            process.process.wait(10)
-        process._log.close()
-
-
-def stage_blocking(url: str, adapter_id: str, timeout_s: float) -> tuple[int, dict[str, object]]:
-    request = urllib.request.Request(
-        f"{url}/stage", data=json.dumps({"adapter_id": adapter_id}).encode(), method="POST",
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 async def test_sigkill_during_a_large_download_leaves_nothing_partial(

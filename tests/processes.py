@@ -1,0 +1,79 @@
+"""The sidecar as a child process (`python -m sidecar serve`), for tests that kill it, read its
+log, or need it on its own core."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class SidecarProcess:
+    """`python -m sidecar serve` in a child process, started and answering /healthz."""
+
+    def __init__(self, args: list[str], log_path: Path,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "ab")  # closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "sidecar", "serve", "--port", str(self.port), *args],
+            stdout=self._log, stderr=subprocess.STDOUT,
+            env=dict(os.environ if env is None else env),
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"{self.url}/healthz", timeout=1).close()
+                return
+            except OSError:
+                if self.process.poll() is not None:
+                    break
+                time.sleep(0.05)
+        self.stop()
+        raise AssertionError(f"sidecar did not start; see {log_path}")
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(20)
+        self._log.close()
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+
+def stage_blocking(url: str, adapter_id: str, timeout_s: float) -> tuple[int, dict[str, object]]:
+    request = urllib.request.Request(
+        f"{url}/stage", data=json.dumps({"adapter_id": adapter_id}).encode(), method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
