@@ -11,8 +11,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
-import urllib.error
 import urllib.request
 import zipfile
 from collections.abc import Iterator, Mapping
@@ -25,6 +23,7 @@ import yaml
 
 from sidecar.config import OPTIONS, Settings
 from sidecar.examples import write_adapter
+from tests.processes import SidecarProcess, stage_blocking
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose"
@@ -65,15 +64,6 @@ REQUIRED_SETTINGS = {
     "SIDECAR_API_TOKEN": "token-for-tests",
     "GRAFANA_ADMIN_PASSWORD": "grafana-password-for-tests",
 }
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _read_env_file(path: Path) -> dict[str, str]:
@@ -459,57 +449,30 @@ def _sample_families(exposition: str) -> dict[str, set[str]]:
 
 @pytest.fixture(scope="module")
 def sidecar_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A live sidecar's /metrics, after a miss, a hit, an error, a refusal and an eviction, so
+    """A live sidecar's /metrics, after a miss, a hit, a refusal, an error and an eviction, so
     that the labelled series exist."""
     root = tmp_path_factory.mktemp("sidecar")
     registry, cache = root / "registry", root / "cache"
     write_adapter(registry / "good-v1", rank=8)
     write_adapter(registry / "too-big-rank-v1", rank=32)  # over the default --max-lora-rank 16
-    port = _free_port()
+    # Module-scoped, so set up before the autouse fixture that clears the environment.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "LORA_SIDECAR_"))}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    with (root / "sidecar.log").open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "sidecar", "serve", "--port", str(port),
-             "--registry", str(registry), "--cache-root", str(cache)],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
-        )
-    base = f"http://127.0.0.1:{port}"
+    sidecar = SidecarProcess(["--registry", str(registry), "--cache-root", str(cache)],
+                             root / "sidecar.log", env)
     try:
-        _wait_until_serving(process, base + "/healthz", root / "sidecar.log")
-        for adapter_id in ("good-v1", "good-v1", "too-big-rank-v1", "no-such-adapter"):
-            _post(base + "/stage", {"adapter_id": adapter_id})
-        _post(base + "/evict", {"adapter_id": "good-v1", "force": True})
-        with urllib.request.urlopen(base + "/metrics", timeout=10) as response:
+        statuses = [stage_blocking(sidecar.url, adapter_id, timeout_s=30)[0]
+                    for adapter_id in ("good-v1", "good-v1", "too-big-rank-v1", "no-such-v1")]
+        assert statuses == [200, 200, 422, 404], sidecar.log_text()
+        request = urllib.request.Request(
+            f"{sidecar.url}/evict", method="POST", headers={"Content-Type": "application/json"},
+            data=json.dumps({"adapter_id": "good-v1", "force": True}).encode(),
+        )
+        urllib.request.urlopen(request, timeout=30).close()
+        with urllib.request.urlopen(f"{sidecar.url}/metrics", timeout=10) as response:
             yield response.read().decode()
     finally:
-        process.terminate()
-        process.wait(timeout=30)
-
-
-def _wait_until_serving(process: subprocess.Popen[bytes], url: str, log: Path) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"the sidecar exited ({process.returncode}):\n{log.read_text()}")
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except (urllib.error.URLError, OSError):
-            time.sleep(0.05)  # a starting process offers no event to wait on
-    pytest.fail(f"the sidecar did not serve {url} within 30 s:\n{log.read_text()}")
-
-
-def _post(url: str, body: Mapping[str, Any]) -> int:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            status: int = response.status
-    except urllib.error.HTTPError as exc:
-        with exc:
-            status = exc.code
-    return status
+        sidecar.stop()
 
 
 def test_every_dashboard_query_names_metrics_and_labels_that_exist(sidecar_metrics: str) -> None:
