@@ -30,6 +30,14 @@ LLAMA_TARGET_MODULES = (
 )
 
 
+_URL_PASSWORD = re.compile(r"(://[^/@:\s]*:)[^/@\s]*@")
+
+
+def hide_password(text: str) -> str:
+    """A URL fit for logs and error messages: `http://user:<hidden>@host`."""
+    return _URL_PASSWORD.sub(r"\1<hidden>@", text)
+
+
 def is_valid_adapter_id(adapter_id: object) -> bool:
     """Strict id check: the pattern, and never a name the filesystem treats specially."""
     return (
@@ -403,6 +411,8 @@ class Settings:
                 value = value.value
             elif isinstance(value, Path):
                 value = str(value)
+            elif isinstance(value, str):
+                value = hide_password(value)
             shown[option.field] = value
         return shown
 

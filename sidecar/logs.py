@@ -10,17 +10,26 @@ from datetime import UTC, datetime
 from .config import LogFormat
 
 
+def fields(**values: object) -> dict[str, object]:
+    """`extra=` for a state-change line: JSON logs carry these values as keys of their own
+    (`adapter_id`, `size_bytes`, `duration_s`, ...), so shippers need not parse the message."""
+    return {"fields": values}
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        entry = {
+        entry: dict[str, object] = {
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
         }
+        extra = getattr(record, "fields", None)
+        if isinstance(extra, dict):
+            entry.update({k: v for k, v in extra.items() if k not in entry})
         if record.exc_info:
             entry["traceback"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
+        return json.dumps(entry, default=str)
 
 
 def configure_logging(level: str, fmt: LogFormat) -> None:

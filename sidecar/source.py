@@ -19,7 +19,7 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 from botocore import exceptions as bce
 
-from .config import Settings, is_valid_adapter_id
+from .config import Settings, hide_password, is_valid_adapter_id
 from .errors import (
     AdapterNotFound,
     SidecarError,
@@ -293,7 +293,7 @@ class S3Source:
                                  cause="connection")
 
     def _endpoint(self) -> str:
-        return self._settings.s3_endpoint_url or "AWS S3"
+        return hide_password(self._settings.s3_endpoint_url or "AWS S3")
 
 
 def _full_object_sha256(response: dict[str, Any]) -> str | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .config import is_valid_adapter_id
 from .errors import (
+    AdapterNotFound,
     CacheFull,
     CacheUnwritable,
     InvalidAdapter,
@@ -22,6 +23,7 @@ from .errors import (
     SidecarError,
     StageTimeout,
 )
+from .logs import fields
 from .metrics import Metrics
 from .source import AdapterSource, FetchedFile, Listing
 from .store import (
@@ -152,7 +154,9 @@ class Stager:
         if adapter is None:  # cannot happen: both calls above are synchronous
             raise NotCached(f"adapter {adapter_id} vanished", adapter_id=adapter_id)
         if cached:
-            log.debug("hit adapter_id=%s", adapter_id)
+            log.debug("hit adapter_id=%s bytes=%d", adapter_id, adapter.size_bytes,
+                      extra=fields(event="hit", adapter_id=adapter_id,
+                                   size_bytes=adapter.size_bytes))
         return StageResult(adapter, granted, cached)
 
     def _raise_if_refused(self, adapter_id: str) -> None:
@@ -171,7 +175,9 @@ class Stager:
         if self._refusal_ttl_s > 0:
             self._refused[adapter_id] = (time.monotonic() + self._refusal_ttl_s, error)
         log.warning("refused adapter_id=%s problems=%d: %s", adapter_id, len(problems),
-                    "; ".join(f"{p.code} {p.file}" for p in problems))
+                    "; ".join(f"{p.code} {p.file}" for p in problems),
+                    extra=fields(event="refused", adapter_id=adapter_id,
+                                 problems=sorted({p.code for p in problems})))
         return error
 
     # ---- the one task per adapter -----------------------------------------------------
@@ -216,11 +222,18 @@ class Stager:
             elapsed = time.perf_counter() - started
             self._metrics.download_duration.observe(elapsed)
             log.info("staged adapter_id=%s bytes=%d files=%d in %.2fs (%.1f MB/s)", adapter_id,
-                     size_bytes, len(listing.files), elapsed, size_bytes / 1e6 / max(elapsed, 1e-6))
+                     size_bytes, len(listing.files), elapsed, size_bytes / 1e6 / max(elapsed, 1e-6),
+                     extra=fields(event="staged", adapter_id=adapter_id, size_bytes=size_bytes,
+                                  files=len(listing.files), duration_s=round(elapsed, 3)))
             if self._store.trim():
                 self._on_trash()
+        except SidecarError as exc:
+            _log_failure(adapter_id, exc, time.perf_counter() - started)
+            raise
         except OSError as exc:
-            raise _disk_error(adapter_id, exc) from exc
+            error = _disk_error(adapter_id, exc)
+            _log_failure(adapter_id, error, time.perf_counter() - started)
+            raise error from exc
         finally:
             self._metrics.inflight_downloads.dec()
             if reservation is not None:
@@ -269,6 +282,16 @@ class Stager:
 def _seal(staging: Path, record: AdapterRecord) -> None:
     write_record(staging, record)
     fsync_dir(staging)
+
+
+def _log_failure(adapter_id: str, error: SidecarError, elapsed_s: float) -> None:
+    if isinstance(error, InvalidAdapter):
+        return  # logged with its problems when it was refused
+    level = logging.INFO if isinstance(error, AdapterNotFound) else logging.WARNING
+    log.log(level, "stage failed adapter_id=%s after %.2fs: %s: %s", adapter_id, elapsed_s,
+            error.code, error.message,
+            extra=fields(event="stage_failed", adapter_id=adapter_id, error=error.code,
+                         duration_s=round(elapsed_s, 3)))
 
 
 def _disk_error(adapter_id: str, exc: OSError) -> SidecarError:

@@ -22,6 +22,7 @@ from typing import Any
 
 from .config import is_valid_adapter_id
 from .errors import AdapterInUse, CacheFull, LeaseNotFound, NotCached
+from .logs import fields
 from .metrics import CacheSnapshot, Metrics
 
 log = logging.getLogger(__name__)
@@ -257,7 +258,8 @@ class AdapterStore:
         target = self.quarantine_dir / f"{folder.name}.{stamp}.{secrets.token_hex(3)}"
         os.rename(folder, target)
         self._metrics.quarantined.inc()
-        log.warning("quarantined adapter folder %s -> %s: %s", folder.name, target, reason)
+        log.warning("quarantined adapter folder %s -> %s: %s", folder.name, target, reason,
+                    extra=fields(event="quarantined", adapter_id=folder.name, reason=reason))
         return target
 
     # ---- lookups -----------------------------------------------------------------------
@@ -324,7 +326,9 @@ class AdapterStore:
             del self._leases[lease.lease_id]
             self._drop_lease_ref(lease)
             self._metrics.leases_expired.inc()
-            log.info("lease expired lease_id=%s adapter_id=%s", lease.lease_id, lease.adapter_id)
+            log.info("lease expired lease_id=%s adapter_id=%s", lease.lease_id, lease.adapter_id,
+                     extra=fields(event="lease_expired", adapter_id=lease.adapter_id,
+                                  lease_id=lease.lease_id))
         return expired
 
     def next_lease_expiry(self) -> float | None:
@@ -520,9 +524,13 @@ class AdapterStore:
 
     def _count_eviction(self, adapter: CachedAdapter, reason: EvictReason) -> None:
         self._metrics.evictions.labels(reason=reason.value).inc()
-        self._metrics.age_at_eviction.observe(max(0.0, self._clock() - adapter.record.staged_at))
-        log.info("evicted adapter_id=%s bytes=%d reason=%s", adapter.adapter_id,
-                 adapter.size_bytes, reason.value)
+        age_s = max(0.0, self._clock() - adapter.record.staged_at)
+        self._metrics.age_at_eviction.observe(age_s)
+        log.info("evicted adapter_id=%s bytes=%d reason=%s age=%.1fs", adapter.adapter_id,
+                 adapter.size_bytes, reason.value, age_s,
+                 extra=fields(event="evicted", adapter_id=adapter.adapter_id,
+                              size_bytes=adapter.size_bytes, reason=reason.value,
+                              age_s=round(age_s, 3)))
 
     def take_trash(self) -> list[Path]:
         """Folders renamed into `.trash/` since the last call, for deletion off the loop."""
