@@ -11,7 +11,9 @@ import re
 import shutil
 import subprocess
 import sys
+import urllib.error
 import urllib.request
+import uuid
 import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -23,6 +25,7 @@ import yaml
 
 from sidecar.config import OPTIONS, Settings
 from sidecar.examples import write_adapter
+from sidecar.shapes import TINY_LLAMA
 from tests.processes import SidecarProcess, stage_blocking
 
 REPO = Path(__file__).resolve().parents[1]
@@ -277,6 +280,77 @@ def test_minio_init_uploads_where_the_sidecar_reads(resolved: dict[str, Any]) ->
     assert Path(script) == UPLOAD_SCRIPT and read_only
 
 
+def _as_local(env: Mapping[str, str], **paths: str) -> dict[str, str]:
+    """A service's environment with its container paths replaced by this machine's."""
+    local = dict(env)
+    for key, value in local.items():
+        for container_path, host_path in paths.items():
+            value = value.replace(container_path, host_path)
+        local[key] = value
+    return local
+
+
+def test_sidecar_with_the_compose_environment_serves_what_minio_init_uploaded(
+    resolved: dict[str, Any], moto_server: str, tmp_path: Path
+) -> None:
+    """The data path of the node on this machine: moto stands in for MinIO, and the containers'
+    paths become temporary folders; everything else is the resolved compose environment."""
+    services = resolved["services"]
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA.to_config()))
+    write_adapter(tmp_path / "adapters" / "support-v1", shapes=TINY_LLAMA)
+    bucket = f"compose-{uuid.uuid4().hex[:12]}"
+    paths = {"http://minio:9000": moto_server, "/models/host": str(model_dir),
+             "s3://lora-adapters/": f"s3://{bucket}/"}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "LORA_SIDECAR_"))}
+    clean["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), clean.get("PYTHONPATH")) if p)
+
+    init_env = _as_local(services["minio-init"]["environment"], **paths)
+    uploaded = subprocess.run(
+        [sys.executable, str(UPLOAD_SCRIPT), str(tmp_path / "adapters")],
+        env={**clean, **init_env}, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert uploaded.returncode == 0, uploaded.stdout + uploaded.stderr
+
+    sidecar_env = _as_local(services["sidecar"]["environment"], **paths,
+                            **{"/var/lib/lora-sidecar/cache": str(tmp_path / "cache")})
+    # No Triton here: with a Triton URL the sidecar would hold new adapters back until Triton
+    # has reloaded its catalog.
+    del sidecar_env["LORA_SIDECAR_TRITON_URL"]
+    sidecar = SidecarProcess(["--host", "127.0.0.1"], tmp_path / "sidecar.log",
+                             {**clean, **sidecar_env})
+    try:
+        status, body = _call(sidecar.url, "/stage", {"adapter_id": "support-v1"})
+        assert status == 200, (body, sidecar.log_text())
+        triton_root = sidecar_env["LORA_SIDECAR_TRITON_CACHE_ROOT"]
+        assert body["path"] == f"{triton_root}/adapters/support-v1"
+        assert body["cached"] is False
+        assert (tmp_path / "cache" / "adapters" / "support-v1" / "adapter_config.json").is_file()
+        # Listening beyond loopback in compose, it takes the token for what it guards.
+        evict = {"adapter_id": "support-v1", "force": True}
+        assert _call(sidecar.url, "/evict", evict)[0] == 401
+        token = sidecar_env["LORA_SIDECAR_API_TOKEN"]
+        assert _call(sidecar.url, "/evict", evict, token=token)[0] == 200
+    finally:
+        sidecar.stop()
+
+
+def _call(url: str, path: str, body: Mapping[str, Any],
+          token: str | None = None) -> tuple[int, dict[str, Any]]:
+    headers = {"Content-Type": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url + path, method="POST", headers=headers,
+                                     data=json.dumps(body).encode())
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, json.loads(exc.read())
+
+
 def test_services_start_in_order_and_triton_waits_for_a_healthy_sidecar(
     resolved: dict[str, Any],
 ) -> None:
@@ -464,11 +538,7 @@ def sidecar_metrics(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         statuses = [stage_blocking(sidecar.url, adapter_id, timeout_s=30)[0]
                     for adapter_id in ("good-v1", "good-v1", "too-big-rank-v1", "no-such-v1")]
         assert statuses == [200, 200, 422, 404], sidecar.log_text()
-        request = urllib.request.Request(
-            f"{sidecar.url}/evict", method="POST", headers={"Content-Type": "application/json"},
-            data=json.dumps({"adapter_id": "good-v1", "force": True}).encode(),
-        )
-        urllib.request.urlopen(request, timeout=30).close()
+        assert _call(sidecar.url, "/evict", {"adapter_id": "good-v1", "force": True})[0] == 200
         with urllib.request.urlopen(f"{sidecar.url}/metrics", timeout=10) as response:
             yield response.read().decode()
     finally:
