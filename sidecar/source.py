@@ -114,7 +114,9 @@ class S3Source:
         config = AioConfig(
             connect_timeout=self._settings.s3_connect_timeout_s,
             read_timeout=self._settings.s3_read_timeout_s,
-            retries={"max_attempts": self._settings.s3_max_attempts, "mode": "standard"},
+            # botocore's "max_attempts" counts retries (one more attempt than asked);
+            # "total_max_attempts" counts attempts, as --s3-max-attempts does.
+            retries={"total_max_attempts": self._settings.s3_max_attempts, "mode": "standard"},
             max_pool_connections=self._settings.download_concurrency + 4,
             response_checksum_validation="when_required",
         )
