@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import aiohttp
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 from botocore import exceptions as bce
@@ -213,7 +214,10 @@ class S3Source:
                     try:
                         async with asyncio.timeout(self._settings.s3_read_timeout_s + 1):
                             chunk = await body.read(256 * 1024)
-                    except (bce.BotoCoreError, TimeoutError, OSError) as exc:
+                    except (bce.BotoCoreError, TimeoutError, OSError,
+                            aiohttp.ClientPayloadError) as exc:
+                        # aiobotocore lets aiohttp's "payload not completed" (a body cut
+                        # short by a reset or an early close) through unwrapped.
                         raise self._translate(exc, "get", adapter_id) from exc
                     if not chunk:
                         return
@@ -287,7 +291,7 @@ class S3Source:
             return SourceUnavailable(f"cannot connect to the registry endpoint "
                                      f"{self._endpoint()}: {exc}", adapter_id=adapter_id,
                                      cause="endpoint")
-        if isinstance(exc, bce.IncompleteReadError):
+        if isinstance(exc, bce.IncompleteReadError | aiohttp.ClientPayloadError):
             return SourceUnavailable(f"the registry {where} sent a body shorter than its "
                                      f"Content-Length", adapter_id=adapter_id, cause="short_body")
         return SourceUnavailable(f"the connection to the registry {where} failed "
