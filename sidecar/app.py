@@ -27,6 +27,7 @@ from .stager import Stager
 from .store import AdapterRecord, AdapterStore, remove_tree
 from .transfer import TransferPolicy
 from .validate import Rules, validate_adapter
+from .watcher import Watcher
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class Sidecar:
             on_source_result=self._note_source_result,
         )
         self.catalog = Catalog(settings, self.source, self.metrics)
+        self.watcher = Watcher(self.store, self.rules, self.metrics, on_trash=self.purge_trash)
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
         self._pins_pending = set(settings.pin)
@@ -101,6 +103,8 @@ class Sidecar:
 
     async def start(self) -> None:
         await self._recover()
+        await self.watcher.start()
+        self._spawn(self.watcher.run(), "watcher")
         if isinstance(self.source, S3Source):
             await self.source.open()
         services = Services(
@@ -138,6 +142,7 @@ class Sidecar:
         if self._runner is not None:
             await self._runner.cleanup()  # stop accepting HTTP first
             self._runner = None
+        await self.watcher.stop()
         for task in list(self._tasks):
             task.cancel("sidecar shutting down")
         if self._tasks:

@@ -550,11 +550,13 @@ def remove_tree(path: Path) -> None:
     _remove_tree(path)
 
 
-def write_record(folder: Path, record: AdapterRecord) -> None:
-    """Write `.sidecar.json` into a folder, fsynced (blocking: run in a thread)."""
-    path = folder / RECORD_NAME
+def write_record(folder: Path, record: AdapterRecord, *, dir_fd: int | None = None) -> None:
+    """Write `.sidecar.json` into a folder, fsynced (blocking: run in a thread). With `dir_fd`
+    (the folder, opened) the record lands in that folder even if it was renamed meanwhile."""
+    path = folder / RECORD_NAME if dir_fd is None else Path(RECORD_NAME)
     data = json.dumps(record.to_json(), indent=2).encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644,
+                 dir_fd=dir_fd)
     try:
         os.write(fd, data)
         os.fsync(fd)

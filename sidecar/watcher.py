@@ -1,0 +1,405 @@
+"""The watcher: keeps the index true to `adapters/` when someone else removes a folder or copies
+one in. Watchdog's thread only forwards events to the loop; each adapter id is then judged on
+the loop by comparing its folder with the index, so the sidecar's own renames need no special case.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import os
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from watchdog.events import (
+    DirCreatedEvent,
+    DirDeletedEvent,
+    DirMovedEvent,
+    FileClosedEvent,
+    FileCreatedEvent,
+    FileDeletedEvent,
+    FileModifiedEvent,
+    FileMovedEvent,
+    FileSystemEvent,
+    FileSystemEventHandler,
+)
+from watchdog.observers import Observer
+from watchdog.observers.api import BaseObserver
+
+from .config import is_valid_adapter_id
+from .logs import fields
+from .metrics import Metrics
+from .store import RECORD_NAME, AdapterRecord, AdapterStore, CachedAdapter, FileRecord, write_record
+from .validate import Problem, Rules, validate_adapter
+
+log = logging.getLogger(__name__)
+
+COALESCE_S = 0.15  # the events of one burst are gathered this long, then each id is judged once
+SETTLE_S = 1.0  # a folder copied in is judged only after this long without a change
+ADOPT_CONCURRENCY = 2  # folders hashed and validated at once: the stager needs threads too
+HASH_CHUNK_BYTES = 1024 * 1024
+OBSERVER_POLL_S = 0.2  # how long watchdog's thread waits between checks for a stop
+ADOPTED_SOURCE = "adopted"  # `source` of the record written for a folder copied in
+
+# Writes and namespace changes only: reads (vLLM loading an adapter, our own hashing) must
+# neither wake the loop nor look like a copy still in progress.
+_EVENTS: list[type[FileSystemEvent]] = [
+    FileCreatedEvent, DirCreatedEvent, FileDeletedEvent, DirDeletedEvent,
+    FileMovedEvent, DirMovedEvent, FileModifiedEvent, FileClosedEvent,
+]
+
+_Snapshot = dict[str, tuple[int, int, int]]  # file name -> (mode, size, mtime_ns)
+
+
+class _Forward(FileSystemEventHandler):
+    """Runs on watchdog's thread: hands each event to the loop and touches nothing else."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop,
+                 queue: asyncio.Queue[FileSystemEvent]) -> None:
+        self._loop = loop
+        self._queue = queue
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:  # the loop closed while the observer was stopping
+            pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Inspection:
+    files: dict[str, FileRecord]
+    problems: list[Problem]
+
+
+class Watcher:
+    """`await start()` after recovery, run `run()` as a background task, `await stop()` first
+    at shutdown (then cancel `run()`)."""
+
+    def __init__(
+        self,
+        store: AdapterStore,
+        rules: Rules,
+        metrics: Metrics,
+        *,
+        on_trash: Callable[[], None],
+        settle_s: float = SETTLE_S,
+        coalesce_s: float = COALESCE_S,
+    ) -> None:
+        self._store = store
+        self._rules = rules
+        self._metrics = metrics
+        self._on_trash = on_trash
+        self._settle_s = settle_s
+        self._coalesce_s = coalesce_s
+        self._root = str(store.adapters_dir) + os.sep
+        self._queue: asyncio.Queue[FileSystemEvent] = asyncio.Queue()
+        self._observer: BaseObserver | None = None
+        self._changes: dict[str, int] = {}  # adapter id -> events seen while it is judged
+        self._last_change: dict[str, float] = {}  # adapter id -> loop time of its last event
+        self._judging: dict[str, asyncio.Task[None]] = {}
+        self._adopting: set[str] = set()
+        self._limit = asyncio.Semaphore(ADOPT_CONCURRENCY)
+
+    @property
+    def pending(self) -> list[str]:
+        """Adapter ids being judged now (waiting for a copy to settle, hashing, validating)."""
+        return sorted(i for i, task in self._judging.items() if not task.done())
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        observer = Observer(timeout=OBSERVER_POLL_S)
+        observer.schedule(_Forward(loop, self._queue), str(self._store.adapters_dir),
+                          recursive=True, event_filter=_EVENTS)
+        try:
+            # Starting adds one inotify watch per folder: a directory walk, so off the loop.
+            await asyncio.to_thread(observer.start)
+        except OSError as exc:
+            log.error("cannot watch %s (%s): folders removed or copied in by others are "
+                      "noticed only at the next start", self._store.adapters_dir,
+                      exc.strerror or exc)
+            return
+        self._observer = observer
+
+    async def stop(self) -> None:
+        observer, self._observer = self._observer, None
+        if observer is not None:
+            observer.stop()
+            await asyncio.to_thread(observer.join, 5.0)
+
+    async def run(self) -> None:
+        """Judge what changed before the observer started, then every burst of events."""
+        async with asyncio.TaskGroup() as group:
+            for adapter_id in await self._out_of_step():
+                self._note(adapter_id)
+                self._judge_later(group, adapter_id)
+            while True:
+                for adapter_id in await self._next_burst():
+                    self._judge_later(group, adapter_id)
+
+    # ---- events -> adapter ids ---------------------------------------------------------
+
+    async def _out_of_step(self) -> set[str]:
+        names = await asyncio.to_thread(_list_names, self._store.adapters_dir)
+        indexed = {a.adapter_id for a in self._store.adapters()}
+        return (names - indexed) | (indexed - names)
+
+    async def _next_burst(self) -> set[str]:
+        ids = self._ids_of(await self._queue.get())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._coalesce_s
+        while (left_s := deadline - loop.time()) > 0:
+            try:
+                async with asyncio.timeout(left_s):
+                    event = await self._queue.get()
+            except TimeoutError:
+                break
+            ids |= self._ids_of(event)
+        return ids
+
+    def _ids_of(self, event: FileSystemEvent) -> set[str]:
+        ids = set()
+        for raw in (event.src_path, event.dest_path):
+            path = os.fsdecode(raw)
+            if not path.startswith(self._root):
+                continue  # adapters/ itself, or a move's far end in .trash/ or .staging/
+            name, _, rest = path[len(self._root):].partition(os.sep)
+            if not name or (rest == RECORD_NAME and name in self._adopting):
+                continue  # the record the watcher is writing is no change of the copy
+            self._note(name)
+            ids.add(name)
+        return ids
+
+    def _note(self, adapter_id: str) -> None:
+        self._changes[adapter_id] = self._changes.get(adapter_id, 0) + 1
+        self._last_change[adapter_id] = asyncio.get_running_loop().time()
+
+    def _judge_later(self, group: asyncio.TaskGroup, adapter_id: str) -> None:
+        running = self._judging.get(adapter_id)
+        if running is not None and not running.done():
+            return  # it sees the change count move and looks again
+        task = group.create_task(self._judge(adapter_id), name=f"watch:{adapter_id}")
+        self._judging[adapter_id] = task
+
+        def done(_: asyncio.Task[None]) -> None:
+            if self._judging.get(adapter_id) is task:
+                del self._judging[adapter_id]
+
+        task.add_done_callback(done)
+
+    # ---- judging one adapter id ----------------------------------------------------------
+
+    async def _judge(self, adapter_id: str) -> None:
+        try:
+            while True:
+                seen = self._changes.get(adapter_id, 0)
+                await self._judge_once(adapter_id)
+                if self._changes.get(adapter_id, 0) == seen:
+                    self._changes.pop(adapter_id, None)
+                    self._last_change.pop(adapter_id, None)
+                    return
+        except Exception:
+            log.exception("watcher: judging adapter folder %r failed", adapter_id)
+
+    async def _judge_once(self, adapter_id: str) -> None:
+        store = self._store
+        folder = store.adapters_dir / adapter_id
+        # The index is read and the folder looked at in one loop step: the sidecar's own
+        # publish and evict change both in one step too, so they always agree here.
+        adapter = store.get(adapter_id)
+        if adapter is not None:
+            if _lstat(folder) is None:
+                store.forget(adapter_id)  # logs and counts the `external` eviction
+                return
+            if not await self._damaged(adapter_id, adapter, folder):
+                return
+        if _lstat(folder) is None:
+            return
+        await self._settle(adapter_id)
+        async with self._limit:
+            await self._take_in(adapter_id, folder)
+
+    async def _damaged(self, adapter_id: str, adapter: CachedAdapter, folder: Path) -> bool:
+        """Whether an indexed folder no longer matches its record; if so it is forgotten."""
+        try:
+            await asyncio.to_thread(self._store.read_record, folder)
+            return False
+        except ValueError as exc:
+            why = str(exc)
+        # Evicted or restaged by the sidecar meanwhile: that explains it, nothing is wrong.
+        if self._store.get(adapter_id) is not adapter or _lstat(folder) is None:
+            return False
+        log.warning("adapter folder changed outside the sidecar adapter_id=%s (%s); it is no "
+                    "longer served and is judged again as a new copy", adapter_id, why,
+                    extra=fields(event="external_change", adapter_id=adapter_id, reason=why))
+        self._store.forget(adapter_id)
+        return True
+
+    async def _settle(self, adapter_id: str) -> None:
+        """Wait until the folder has had no event for `settle_s` (a copy may be in progress)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            quiet_s = loop.time() - self._last_change.get(adapter_id, -math.inf)
+            if quiet_s >= self._settle_s:
+                return
+            await asyncio.sleep(self._settle_s - quiet_s)
+
+    async def _take_in(self, adapter_id: str, folder: Path) -> None:
+        """Validate a folder copied in and adopt it, or quarantine it; never serve it half-way."""
+        store = self._store
+        seen = self._changes.get(adapter_id, 0)
+        started = time.perf_counter()
+        before = _lstat(folder)
+        if before is None or store.get(adapter_id) is not None:
+            return
+        if not is_valid_adapter_id(adapter_id):
+            self._quarantine(adapter_id, folder, before, "not a valid adapter id", [])
+            return
+        if not stat.S_ISDIR(before.st_mode):
+            self._quarantine(adapter_id, folder, before, "not a folder", [])
+            return
+        self._adopting.add(adapter_id)
+        try:
+            inspection = await self._inspect(folder)
+            if inspection is None or self._changes.get(adapter_id, 0) != seen:
+                return  # still being written: judged again once it settles
+            if inspection.problems:
+                reason = "; ".join(f"{p.code} {p.file}" for p in inspection.problems)
+                self._quarantine(adapter_id, folder, before, f"not valid: {reason}",
+                                 inspection.problems)
+                return
+            record = AdapterRecord(adapter_id, ADOPTED_SOURCE, time.time(), inspection.files)
+            try:
+                if not await asyncio.to_thread(_write_record_into, folder, before, record):
+                    return
+            except OSError as exc:
+                log.warning("cannot write the record of adapter folder %s, so it is not "
+                            "adopted: %s", adapter_id, exc.strerror or exc)
+                return
+            if self._changes.get(adapter_id, 0) != seen or not self._unindexed(
+                adapter_id, folder, before
+            ):
+                return
+            store.adopt(record)
+        finally:
+            self._adopting.discard(adapter_id)
+        elapsed_s = time.perf_counter() - started
+        log.info("adopted adapter_id=%s bytes=%d files=%d in %.2fs (copied in by someone else)",
+                 adapter_id, record.size_bytes, len(record.files), elapsed_s,
+                 extra=fields(event="adopted", adapter_id=adapter_id,
+                              size_bytes=record.size_bytes, duration_s=round(elapsed_s, 3)))
+        if store.trim():
+            self._on_trash()
+
+    async def _inspect(self, folder: Path) -> _Inspection | None:
+        """Hash and validate a folder (in threads); None if it changed while being read."""
+        before = await asyncio.to_thread(_snapshot, folder)
+        files: dict[str, FileRecord] = {}
+        problems: list[Problem] = []
+        for name, (mode, _, _) in sorted(before.items()):
+            if name == RECORD_NAME or not stat.S_ISREG(mode):
+                continue  # a record copied from elsewhere is replaced; validation names others
+            try:
+                size_bytes, sha256 = await asyncio.to_thread(_hash_file, folder / name)
+            except OSError as exc:
+                problems.append(Problem("read_error", name, f"cannot read it: {exc}"))
+                continue
+            files[name] = FileRecord(size_bytes, "", sha256)
+        digests = {name: f.sha256 for name, f in files.items()}
+        problems += await asyncio.to_thread(validate_adapter, folder, self._rules, sha256=digests)
+        # A copy made in one long system call (copy_file_range, a reflink) sends no event
+        # until it ends; growing sizes or times still show it is not finished.
+        if await asyncio.to_thread(_snapshot, folder) != before:
+            return None
+        return _Inspection(files, problems)
+
+    def _unindexed(self, adapter_id: str, folder: Path, before: os.stat_result) -> bool:
+        """Still the same folder, and the sidecar did not stage the id meanwhile."""
+        now = _lstat(folder)
+        return (self._store.get(adapter_id) is None and now is not None
+                and (now.st_dev, now.st_ino) == (before.st_dev, before.st_ino))
+
+    def _quarantine(self, adapter_id: str, folder: Path, before: os.stat_result, reason: str,
+                    problems: list[Problem]) -> None:
+        if not self._unindexed(adapter_id, folder, before):
+            return
+        try:
+            self._store.quarantine(folder, reason)  # logs the one line of this change
+        except OSError as exc:
+            log.warning("cannot quarantine adapter folder %r: %s", adapter_id,
+                        exc.strerror or exc)
+            return
+        for code in sorted({p.code for p in problems}):
+            self._metrics.validation_failures.labels(reason=code).inc()
+
+
+# ---- blocking helpers (run in threads) ---------------------------------------------------
+
+
+def _lstat(path: Path) -> os.stat_result | None:
+    """One system call, cheap enough for the loop: it must share a step with the index read."""
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _list_names(folder: Path) -> set[str]:
+    try:
+        return {entry.name for entry in os.scandir(folder)}
+    except FileNotFoundError:
+        return set()
+
+
+def _snapshot(folder: Path) -> _Snapshot:
+    shot: _Snapshot = {}
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return shot
+    for entry in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        shot[entry.name] = (st.st_mode, st.st_size, st.st_mtime_ns)
+    return shot
+
+
+def _hash_file(path: Path) -> tuple[int, str]:
+    """(bytes read, SHA-256 hex) of a regular file, never following a link."""
+    digest = hashlib.sha256()
+    size_bytes = 0
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+            size_bytes += len(chunk)
+    return size_bytes, digest.hexdigest()
+
+
+def _write_record_into(folder: Path, expected: os.stat_result, record: AdapterRecord) -> bool:
+    """Write the record into `folder` only if it is still the folder that was validated.
+
+    Written through a descriptor of the folder: if the sidecar publishes its own copy of the
+    id meanwhile (moving this one to quarantine), the record follows this folder, never
+    overwriting the record of the published one.
+    """
+    try:
+        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return False  # gone or replaced: its events have the folder judged again
+    try:
+        st = os.fstat(dir_fd)
+        if (st.st_dev, st.st_ino) != (expected.st_dev, expected.st_ino):
+            return False
+        write_record(folder, record, dir_fd=dir_fd)
+        os.fsync(dir_fd)
+        return True
+    finally:
+        os.close(dir_fd)

@@ -1,0 +1,77 @@
+"""Watching the sidecar from outside, as an operator would: poll until something holds (with a
+deadline, never a fixed sleep), and read /metrics with Prometheus's own text parser."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+T = TypeVar("T")
+POLL_S = 0.02
+
+
+async def eventually(
+    probe: Callable[[], Awaitable[T]], *, timeout_s: float, what: str
+) -> T:
+    """The first truthy answer of `probe`; fails the test if none comes within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answer = await probe()
+        if answer:
+            return answer
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g}s (last answer {answer!r})")
+        await asyncio.sleep(POLL_S)
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """One scrape of /metrics, parsed."""
+
+    families: dict[str, list[Sample]]  # family name -> its samples
+    types: dict[str, str]  # family name -> counter, gauge, histogram, ...
+
+    def value(self, sample_name: str, **labels: str) -> float:
+        """The one sample of that name whose labels include `labels`."""
+        family = sample_name
+        for suffix in ("_total", "_bucket", "_count", "_sum", "_created"):
+            if family.endswith(suffix) and family.removesuffix(suffix) in self.families:
+                family = family.removesuffix(suffix)
+                break
+        found = [
+            s.value for s in self.families.get(family, [])
+            if s.name == sample_name and all(s.labels.get(k) == v for k, v in labels.items())
+        ]
+        assert len(found) == 1, f"{sample_name}{labels}: {len(found)} samples"
+        return found[0]
+
+    def buckets(self, family: str, **labels: str) -> list[float]:
+        """The upper bounds of a histogram's buckets, +Inf last."""
+        return [
+            float(s.labels["le"]) for s in self.families[family]
+            if s.name == f"{family}_bucket"
+            and all(s.labels.get(k) == v for k, v in labels.items())
+        ]
+
+
+def parse_metrics(text: str) -> Scrape:
+    families: dict[str, list[Sample]] = {}
+    types: dict[str, str] = {}
+    for family in text_string_to_metric_families(text):
+        families[family.name] = list(family.samples)
+        types[family.name] = family.type
+    return Scrape(families, types)
+
+
+async def scrape(http: aiohttp.ClientSession, base_url: str) -> Scrape:
+    async with http.get(f"{base_url}/metrics") as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/plain")
+        return parse_metrics(await response.text())
