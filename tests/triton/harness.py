@@ -71,9 +71,9 @@ def copy_model_repository(dest: Path, catalog_path: Path) -> Path:
     return dest
 
 
-def router_config(sidecar_url: str, **parameters: str) -> str:
-    """The router's checked-in config.pbtxt as JSON with other parameter values, for a load
-    with a config override (so the files stay as checked in)."""
+def router_config(sidecar_url: str, *, instances: int | None = None, **parameters: str) -> str:
+    """The router's checked-in config.pbtxt as JSON with other parameter values (and instance
+    count), for a load with a config override: the files stay as checked in."""
     from google.protobuf import json_format, text_format
     from tritonclient.grpc import model_config_pb2
 
@@ -81,6 +81,8 @@ def router_config(sidecar_url: str, **parameters: str) -> str:
     text_format.Parse((TRITON_REPO / ROUTER / "config.pbtxt").read_text(), config)
     for key, value in {"sidecar_url": sidecar_url, **parameters}.items():
         config.parameters[key].string_value = value
+    if instances is not None:
+        config.instance_group[0].count = instances
     return json_format.MessageToJson(config, preserving_proto_field_name=True)
 
 
@@ -105,7 +107,10 @@ class TritonServer:
         backends = build_backends(workdir / "backends")
         repository = copy_model_repository(workdir / "model_repository", catalog_path)
         libs = pytriton_dir().parent.parent / "nvidia_pytriton.libs"
-        child_env = dict(os.environ)
+        # The router reads LORA_SIDECAR_* from its environment; a developer's own must not
+        # leak into the test's server.
+        child_env = {k: v for k, v in os.environ.items()
+                     if not k.startswith(("LORA_SIDECAR_", "AWS_"))}
         # The stub finds its packages through the first python3 on PATH, and it embeds
         # libpython, which lives in the interpreter's LIBDIR.
         child_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{child_env.get('PATH', '')}"

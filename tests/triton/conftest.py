@@ -1,0 +1,110 @@
+"""Fixtures for tests in a real Triton: one server per module (a start and the router's load
+cost seconds), and per test a fresh sidecar on the port the router was loaded with."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc.aio as grpcclient
+
+from sidecar.app import Sidecar
+from tests.conftest import S3Registry, StartSidecar, s3_settings
+from tests.triton.harness import ROUTER, TritonServer, free_port, router_config
+
+# Enough router instances for requests to overlap, few enough to load in about 2 s.
+ROUTER_INSTANCES = 4
+
+
+@dataclass
+class TritonNode:
+    server: TritonServer
+    cache_root: Path  # where the catalog link of the server's vllm_model points
+    sidecar_port: int  # where the router expects the sidecar
+
+    @property
+    def sidecar_url(self) -> str:
+        return f"http://127.0.0.1:{self.sidecar_port}"
+
+
+@pytest.fixture(scope="module")
+def triton_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonNode]:
+    workdir = tmp_path_factory.mktemp("triton")
+    cache_root = workdir / "cache"
+    cache_root.mkdir()
+    server = TritonServer.start(workdir, cache_root / "multi_lora.json")
+    try:
+        node = TritonNode(server, cache_root, free_port())
+        server.load(ROUTER, router_config(node.sidecar_url, instances=ROUTER_INSTANCES))
+        yield node
+    finally:
+        server.stop()
+
+
+StartNodeSidecar = Callable[..., Awaitable[Sidecar]]
+
+
+@pytest.fixture
+async def node_sidecar(
+    triton_node: TritonNode, tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar
+) -> AsyncIterator[StartNodeSidecar]:
+    """Start the sidecar the router talks to, on the module's cache, with Triton's URL; return
+    once Triton has loaded the catalog it rendered (unless `triton_url=None` is given)."""
+    for entry in triton_node.cache_root.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+    async def start(**overrides: Any) -> Sidecar:
+        values: dict[str, Any] = {
+            "cache_root": triton_node.cache_root,
+            "port": triton_node.sidecar_port,
+            "triton_url": triton_node.server.http_url,
+            "triton_reload_min_interval_s": 0.0,
+            "catalog_refresh_s": 3600.0,  # tests sync the catalog when they mean to
+            **overrides,
+        }
+        sidecar = await start_sidecar(s3_settings(tmp_path, s3, **values))
+        # The daemon's own first sync queues behind this one on the catalog's lock; the second
+        # call returns after it, so no listing is left to race with what the test uploads.
+        await sidecar.catalog.sync()
+        await sidecar.catalog.sync()
+        status = sidecar.catalog.status()
+        if values["triton_url"] is not None:
+            assert status["triton"]["loaded_generation"] == status["generation"], (
+                f"{status}\n{triton_node.server.log_tail()}")
+        return sidecar
+
+    yield start
+
+
+@pytest.fixture
+async def grpc(triton_node: TritonNode) -> AsyncIterator[grpcclient.InferenceServerClient]:
+    client = grpcclient.InferenceServerClient(triton_node.server.grpc_url)
+    yield client
+    await client.close()
+
+
+def _bytes_input(name: str, value: str) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([value.encode("utf-8")], dtype=object))
+    return tensor
+
+
+async def ask(client: grpcclient.InferenceServerClient, adapter_id: str, prompt: str,
+              sampling: dict[str, Any] | str | None = None) -> str:
+    """One call of the router; its error surfaces as InferenceServerException."""
+    inputs = [_bytes_input("prompt", prompt), _bytes_input("adapter_id", adapter_id)]
+    if sampling is not None:
+        text = sampling if isinstance(sampling, str) else json.dumps(sampling)
+        inputs.append(_bytes_input("sampling_parameters", text))
+    result = await client.infer(ROUTER, inputs, client_timeout=120)
+    answer = result.as_numpy("generated_text").reshape(-1)[0]
+    return answer.decode("utf-8") if isinstance(answer, bytes) else str(answer)
