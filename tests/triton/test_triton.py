@@ -1,0 +1,170 @@
+"""The whole path in a real Triton: gRPC client -> multilora_router -> the sidecar (moto S3)
+-> vllm_model on the CPU stand-in, whose answers prove which adapter bytes it was given."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+from tritonclient.utils import InferenceServerException
+
+from compose import client as compose_client
+from sidecar.app import Sidecar
+from tests.conftest import S3Registry, call
+from tests.triton.conftest import StartNodeSidecar, TritonNode, ask
+from tests.triton.harness import VLLM_MODEL
+from tests.triton.standin_vllm.answer import expected_text
+
+WEIGHTS = "adapter_model.safetensors"
+
+
+def stage_count(sidecar: Sidecar, result: str) -> float:
+    value = sidecar.metrics.registry.get_sample_value(
+        "lora_sidecar_stage_requests_total", {"result": result})
+    return value or 0.0
+
+
+async def router_error(grpc: Any, adapter_id: str, prompt: str = "hello",
+                       sampling: Any = None) -> InferenceServerException:
+    with pytest.raises(InferenceServerException) as caught:
+        await ask(grpc, adapter_id, prompt, sampling)
+    return caught.value
+
+
+def status_of(error: InferenceServerException) -> str:
+    return str(error.status()).removeprefix("StatusCode.")
+
+
+async def test_client_gets_a_cold_adapters_text_and_the_second_call_is_a_hit(
+    triton_node: TritonNode, s3: S3Registry, node_sidecar: StartNodeSidecar
+) -> None:
+    files = s3.put_adapter("cold-sql-v1", seed=11)
+    sidecar = await node_sidecar()
+    url = triton_node.server.grpc_url
+
+    first = await asyncio.to_thread(compose_client.generate, url, "cold-sql-v1", "List tables")
+    second = await asyncio.to_thread(compose_client.generate, url, "cold-sql-v1", "Count rows",
+                                     {"max_tokens": 2})
+
+    assert first == expected_text("cold-sql-v1", files[WEIGHTS], "List tables")
+    assert second == expected_text("cold-sql-v1", files[WEIGHTS], "Count rows", max_tokens=2)
+    assert (stage_count(sidecar, "miss"), stage_count(sidecar, "hit")) == (1, 1)
+    assert len(s3.proxy.gets(s3.key("cold-sql-v1", WEIGHTS))) == 1
+    assert sidecar.store.snapshot().active_leases == 0
+
+
+async def test_sixteen_concurrent_calls_over_eight_adapters_with_room_for_three(
+    s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any
+) -> None:
+    adapter_ids = [f"tenant-{n}-v1" for n in range(8)]
+    weights = {a: s3.put_adapter(a, seed=100 + n)[WEIGHTS] for n, a in enumerate(adapter_ids)}
+    sidecar = await node_sidecar(max_adapters=3)
+    calls = [(adapter_ids[n % 8], f"prompt {n}") for n in range(16)]
+
+    answers = await asyncio.gather(*(ask(grpc, a, prompt) for a, prompt in calls))
+
+    for (adapter_id, prompt), answer in zip(calls, answers, strict=True):
+        assert answer == expected_text(adapter_id, weights[adapter_id], prompt)
+    assert sidecar.store.snapshot().active_leases == 0
+    assert len(sidecar.store.adapters()) <= 3
+    evicted = sidecar.metrics.registry.get_sample_value(
+        "lora_sidecar_evictions_total", {"reason": "lru"})
+    assert evicted is not None and evicted >= 5  # eight adapters went through three places
+
+
+async def test_unknown_adapter_is_not_found(
+    triton_node: TritonNode, node_sidecar: StartNodeSidecar, grpc: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    await node_sidecar()
+
+    error = await router_error(grpc, "no-such-adapter")
+    code = await asyncio.to_thread(compose_client.main, [
+        "--url", triton_node.server.grpc_url, "--adapter-id", "no-such-adapter", "--prompt", "hi"])
+
+    assert status_of(error) == "NOT_FOUND"
+    assert "no-such-adapter" in error.message()
+    assert "(adapter_not_found)" in error.message()
+    assert code == compose_client.EXIT_FAILED
+    assert capsys.readouterr().err.startswith("error: NOT_FOUND: ")
+
+
+async def test_invalid_adapter_is_an_invalid_argument_listing_its_problems(
+    s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any
+) -> None:
+    s3.put_adapter("too-wide-v1", rank=32)  # the served model's max_lora_rank is 16
+    await node_sidecar()
+
+    error = await router_error(grpc, "too-wide-v1")
+
+    assert status_of(error) == "INVALID_ARGUMENT"
+    assert "adapter too-wide-v1 was refused by validation" in error.message()
+    assert "adapter_config.json" in error.message()
+    assert "16" in error.message()
+
+
+async def test_misspelt_sampling_key_is_refused_clearly(
+    s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any
+) -> None:
+    s3.put_adapter("sampling-v1", seed=3)
+    sidecar = await node_sidecar()
+
+    error = await router_error(grpc, "sampling-v1", sampling={"max_token": 8})
+
+    assert status_of(error) == "INVALID_ARGUMENT"
+    assert "unknown key 'max_token'" in error.message()
+    assert stage_count(sidecar, "miss") == 0  # refused before anything was staged
+
+
+async def test_sidecar_down_is_unavailable(triton_node: TritonNode, grpc: Any) -> None:
+    error = await router_error(grpc, "any-adapter")
+
+    assert status_of(error) == "UNAVAILABLE"
+    assert f"sidecar unreachable at {triton_node.sidecar_url}" in error.message()
+
+
+async def test_vllm_refusing_a_lora_it_does_not_list_is_unavailable(
+    triton_node: TritonNode, s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any
+) -> None:
+    # Without a Triton URL the sidecar cannot know what vllm_model loaded, so the refusal
+    # comes from vLLM itself ("LoRA ... is not supported").
+    s3.put_adapter("listed-v1", seed=5)
+    sidecar = await node_sidecar(triton_url=None)
+    await asyncio.to_thread(triton_node.server.load, VLLM_MODEL)
+    s3.put_adapter("late-v1", seed=6)
+
+    error = await router_error(grpc, "late-v1")
+
+    assert status_of(error) == "UNAVAILABLE"
+    assert "has not loaded a catalog that lists adapter late-v1" in error.message()
+    assert "LoRA late-v1 is not supported" in error.message()
+    assert sidecar.store.snapshot().active_leases == 0
+
+
+async def test_new_adapter_in_s3_reaches_the_catalog_triton_reloads_and_serves_it(
+    triton_node: TritonNode, s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any,
+    http: aiohttp.ClientSession,
+) -> None:
+    s3.put_adapter("first-v1", seed=7)
+    sidecar = await node_sidecar()
+    loads_before = triton_node.server.log_text().count("[standin-vllm] loaded with")
+    files = s3.put_adapter("fresh-v1", seed=8)
+
+    error = await router_error(grpc, "fresh-v1")
+    assert status_of(error) == "UNAVAILABLE"
+    assert "(catalog_pending)" in error.message()
+    await sidecar.catalog.sync()  # the refusal asked for an early listing; this awaits it
+
+    status, catalog = await call(http, "GET", f"{sidecar.url}/catalog")
+    assert status == 200
+    assert catalog["adapter_ids"] == ["first-v1", "fresh-v1"]
+    assert catalog["triton"]["loaded_generation"] == catalog["generation"] == 2
+    assert catalog["triton"]["pending"] is None
+    rendered = json.loads((triton_node.cache_root / "multi_lora.json").read_text())
+    assert rendered["fresh-v1"] == str(triton_node.cache_root.resolve() / "adapters" / "fresh-v1")
+    assert triton_node.server.log_text().count("[standin-vllm] loaded with") == loads_before + 1
+    assert await ask(grpc, "fresh-v1", "hi") == expected_text("fresh-v1", files[WEIGHTS], "hi")
+    assert await ask(grpc, "first-v1", "hi") != await ask(grpc, "fresh-v1", "hi")
