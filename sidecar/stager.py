@@ -27,6 +27,7 @@ from .logs import fields
 from .metrics import Metrics
 from .source import AdapterSource, FetchedFile, Listing
 from .store import (
+    RECORD_NAME,
     AdapterRecord,
     AdapterStore,
     CachedAdapter,
@@ -254,6 +255,12 @@ class Stager:
             for name in listing.unsafe_names
         ]
         problems += [p for f in listing.files if (p := check_file_name(f.name)) is not None]
+        if any(f.name == RECORD_NAME for f in listing.files):
+            # A record copied back into the registry describes some other cache; ours is
+            # written after validation and is the only one a published folder may carry.
+            log.info("ignoring %s in the registry for adapter_id=%s", RECORD_NAME, adapter_id)
+            listing = Listing([f for f in listing.files if f.name != RECORD_NAME],
+                              listing.unsafe_names)
         if problems:
             raise self._refuse(adapter_id, problems)
         return listing

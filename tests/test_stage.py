@@ -275,3 +275,20 @@ async def test_stage_that_cannot_fit_the_budget_is_507(
     assert "1000-byte budget" in body["message"]
     assert leftovers(tmp_path / "cache") == []
     assert list((tmp_path / "cache" / "adapters").iterdir()) == []
+
+
+async def test_a_record_file_in_the_registry_is_ignored_and_ours_is_written(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    folder = local_registry_adapter(tmp_path, "copied-back")
+    (folder / ".sidecar.json").write_text('{"adapter_id": "something-else"}')
+    settings = make_settings(tmp_path)
+    sidecar = await start_sidecar(settings)
+    status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "copied-back"})
+    assert status == 200, body
+    record = json.loads((Path(body["local_path"]) / ".sidecar.json").read_text())
+    assert record["adapter_id"] == "copied-back"
+    assert ".sidecar.json" not in record["files"]
+    await sidecar.stop()
+    restarted = await start_sidecar(settings)  # the record must survive re-indexing
+    assert restarted.store.get("copied-back") is not None
