@@ -110,9 +110,11 @@ class SourceUnavailable(SidecarError):
 
     code = "registry_unavailable"
 
-    def __init__(self, message: str, *, adapter_id: str | None = None, cause: str = "unknown"):
+    def __init__(self, message: str, *, adapter_id: str | None = None, cause: str = "unknown",
+                 retryable: bool = True):
         super().__init__(message, adapter_id=adapter_id)
         self.cause = cause
+        self.retryable = retryable  # false once the storage client spent its own attempts
 
     def extra(self) -> Mapping[str, Any]:
         return {"cause": self.cause}

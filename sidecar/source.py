@@ -247,7 +247,12 @@ class S3Source:
             async with asyncio.timeout(self._call_timeout_s):
                 return await method(**kwargs)
         except (bce.BotoCoreError, bce.ClientError, TimeoutError, OSError) as exc:
-            raise self._translate(exc, operation, adapter_id) from exc
+            error = self._translate(exc, operation, adapter_id)
+            if isinstance(error, SourceUnavailable):
+                # botocore made --s3-max-attempts already; retrying the part on top of that
+                # would multiply them (a stalled registry held a stage attempts^2 timeouts).
+                error.retryable = False
+            raise error from exc
 
     def _translate(
         self, exc: BaseException, operation: str, adapter_id: str | None

@@ -22,7 +22,8 @@ log = logging.getLogger(__name__)
 
 FetchRange = Callable[[int, int], AsyncGenerator[bytes, None]]
 """fetch_range(start, end) yields the object's bytes [start, end) in chunks; it raises
-SourceUnavailable for transient faults (retried here) and other SidecarErrors for final ones."""
+SourceUnavailable for transient faults (retried here unless marked not retryable) and other
+SidecarErrors for final ones."""
 
 WRITE_CHUNK_BYTES = 1024 * 1024  # bytes gathered before one pwrite: few thread hops, small RAM
 HASH_CHUNK_BYTES = 4 * 1024 * 1024
@@ -131,7 +132,7 @@ async def _fetch_part(
                 offset = await _stream_into(fetch_range, fd, part, offset, end, progress, on_bytes)
         except SourceUnavailable as exc:
             offset = progress.done_upto[part]
-            if attempt >= policy.attempts:
+            if attempt >= policy.attempts or not exc.retryable:
                 raise
             delay = backoff_s(attempt)
             log.debug("retrying part %d from byte %d in %.2fs: %s", part, offset, delay, exc)
