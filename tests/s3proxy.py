@@ -30,16 +30,58 @@ Fault = Callable[[web.Request, Seen], Awaitable[web.StreamResponse | None]]
 """Called for every request; return a response to answer instead of the server, or None to
 forward. Body faults use `BodyFault` instead."""
 
+BodyProgress = Callable[[Seen, int, int | None], None]
+"""Called on the proxy's loop after each chunk of a response body is sent: (request, bytes
+sent so far, Content-Length)."""
+
 
 @dataclass(slots=True)
 class BodyFault:
-    """Damage the body of matching responses: stop after `after_bytes` and then either reset
-    the connection or end the body early (shorter than its Content-Length)."""
+    """Damage the body of matching responses: stop after `after_bytes` and then reset the
+    connection, end the body early (shorter than its Content-Length), or stall (send nothing
+    more until the test releases stalls or resets the proxy)."""
 
     matches: Callable[[Seen], bool]
     after_bytes: int
-    mode: str  # "reset" or "short"
+    mode: str  # "reset", "short" or "stall"
     times: int = 1
+
+
+def s3_error(status: int, code: str, message: str = "injected by the test proxy") -> web.Response:
+    """An S3-style XML error answer."""
+    body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+            f"<Message>{message}</Message><RequestId>proxy</RequestId></Error>")
+    return web.Response(status=status, body=body.encode(), content_type="application/xml")
+
+
+def is_object_get(seen: Seen) -> bool:
+    """A GET of an object (not a listing)."""
+    return seen.method == "GET" and "list-type" not in seen.query
+
+
+@dataclass(slots=True)
+class FailTimes:
+    """A fault: answer the first `times` matching requests with an S3 error, then forward.
+    `fired` counts the errors sent."""
+
+    matches: Callable[[Seen], bool]
+    status: int
+    code: str
+    times: int
+    fired: int = 0
+
+    async def __call__(self, request: web.Request, seen: Seen) -> web.StreamResponse | None:
+        if self.fired >= self.times or not self.matches(seen):
+            return None
+        self.fired += 1
+        return s3_error(self.status, self.code)
+
+
+async def drop_connection(request: web.Request, seen: Seen) -> web.StreamResponse | None:
+    """A fault: reset every connection without an answer, as a server that is down."""
+    if request.transport is not None:
+        request.transport.abort()
+    return web.Response(status=503)  # never reaches the client: the connection is gone
 
 
 class S3Proxy:
@@ -49,11 +91,13 @@ class S3Proxy:
         self.fault: Fault | None = None
         self.body_faults: list[BodyFault] = []
         self.throttle_bytes_per_s: float | None = None
+        self.body_progress: BodyProgress | None = None
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._released: asyncio.Event | None = None  # set when stalled requests may go on
         self.port = 0
 
     @property
@@ -76,6 +120,24 @@ class S3Proxy:
         self.fault = None
         self.body_faults = []
         self.throttle_bytes_per_s = None
+        self.body_progress = None
+        self.release_stalls()
+
+    def release_stalls(self) -> None:
+        """Let every stalled request go on (thread-safe); later stalls stall again."""
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._release_in_loop)
+
+    def _release_in_loop(self) -> None:
+        if self._released is not None:
+            self._released.set()
+        self._released = asyncio.Event()
+
+    async def stall(self) -> None:
+        """For faults (on the proxy's loop): wait until the test releases stalls."""
+        if self._released is None:
+            self._released = asyncio.Event()
+        await self._released.wait()
 
     def gets(self, key_part: str = "") -> list[Seen]:
         with self._lock:
@@ -126,6 +188,8 @@ class S3Proxy:
             async for chunk in upstream.content.iter_chunked(64 * 1024):
                 if fault is not None and sent + len(chunk) >= fault.after_bytes:
                     await response.write(chunk[: fault.after_bytes - sent])
+                    if fault.mode == "stall":
+                        await self.stall()
                     transport = request.transport
                     if fault.mode == "reset" and transport is not None:
                         transport.abort()  # RST: the client sees a reset mid-body
@@ -134,6 +198,8 @@ class S3Proxy:
                     return response
                 await response.write(chunk)
                 sent += len(chunk)
+                if self.body_progress is not None:
+                    self.body_progress(seen, sent, upstream.content_length)
                 if self.throttle_bytes_per_s:
                     await asyncio.sleep(len(chunk) / self.throttle_bytes_per_s)
             await response.write_eof()
