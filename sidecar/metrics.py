@@ -124,8 +124,9 @@ class Metrics:
             "lora_sidecar_triton_reloads", "Reloads of the vLLM model asked of Triton, by outcome.",
             ["outcome"], registry=r,
         )
-        for result in ("hit", "miss", "error"):
+        for result in ("hit", "miss", "error"):  # every series exists from the first scrape
             self.stage_requests.labels(result=result)
+            self.stage_duration.labels(result=result)
         for reason in ("lru", "manual", "forced", "external"):
             self.evictions.labels(reason=reason)
         if process:
