@@ -192,6 +192,10 @@ class Stager:
             listing = await self._list(adapter_id)
             size_bytes = sum(f.size_bytes for f in listing.files)
             reservation = self._store.reserve(adapter_id, size_bytes)
+            # Room made by evicting is on disk only once the evicted folders are deleted.
+            trash = self._store.take_trash()
+            if trash:
+                await asyncio.to_thread(_remove_all, trash)
             staging = await asyncio.to_thread(self._store.new_staging_dir, adapter_id)
             fetched = await self._fetch_all(adapter_id, listing, staging)
             problems = [
@@ -284,6 +288,11 @@ class Stager:
             if isinstance(exc, SidecarError):
                 self._on_source_result(exc)
             raise
+
+
+def _remove_all(folders: list[Path]) -> None:
+    for folder in folders:
+        remove_tree(folder)
 
 
 def _seal(staging: Path, record: AdapterRecord) -> None:

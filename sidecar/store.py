@@ -412,19 +412,30 @@ class AdapterStore:
             self._reservations.remove(reservation)
 
     def _make_disk_room(self, adapter_id: str, needed_bytes: int) -> None:
-        """Evict LRU adapters until the disk holds `needed_bytes` above the free-space floor."""
-        while True:
-            free = shutil.disk_usage(self.root).free - self.min_free_bytes
-            if needed_bytes <= free:
-                return
-            victim = self._lru_victim()
-            if victim is None:
-                raise CacheFull(
-                    f"adapter {adapter_id} needs {needed_bytes} bytes on disk but the cache "
-                    f"filesystem has {max(free, 0)} bytes free above the "
-                    f"{self.min_free_bytes}-byte floor, and nothing more can be evicted",
-                    adapter_id=adapter_id,
-                )
+        """Evict LRU adapters until the disk will hold `needed_bytes` above the free-space floor.
+
+        An evicted folder frees its blocks only once it is deleted from `.trash/` (the caller
+        does that, through take_trash, before writing), so free space is counted as measured
+        plus what the victims hold. Nothing is evicted if even every candidate would not do.
+        """
+        free = shutil.disk_usage(self.root).free - self.min_free_bytes
+        victims: list[str] = []
+        freed = 0
+        for candidate in self._index:  # least recently used first
+            if free + freed >= needed_bytes:
+                break
+            if not self.is_protected(candidate):
+                victims.append(candidate)
+                freed += self._index[candidate].size_bytes
+        if free + freed < needed_bytes:
+            raise CacheFull(
+                f"adapter {adapter_id} needs {needed_bytes} bytes on disk but the cache "
+                f"filesystem has {max(free, 0)} bytes free above the {self.min_free_bytes}-byte "
+                f"floor, and evicting every unpinned, unleased adapter would free only {freed} "
+                "more; nothing was evicted",
+                adapter_id=adapter_id,
+            )
+        for victim in victims:
             self._evict_now(victim, EvictReason.LRU)
 
     def trim(self) -> list[Eviction]:
