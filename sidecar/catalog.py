@@ -294,8 +294,13 @@ class Catalog:
         except ReloadFailed as exc:
             self._last_reload_failed = True
             self._last_reload_error = str(exc)
+            if mode is TritonReload.ON_CHANGE:
+                # The new engine loads beside the old one; on one GPU with vLLM's
+                # gpu_memory_utilization above about half, it cannot fit.
+                self._last_reload_error += (" (on-change needs GPU memory for two engines at "
+                                            "once; --triton-reload unload-first needs one)")
             self._metrics.triton_reloads.labels(outcome="error").inc()
-            log.warning("catalog: reload of %s failed: %s", model, exc)
+            log.warning("catalog: reload of %s failed: %s", model, self._last_reload_error)
         else:
             self._loaded = target
             self._last_reload_failed = False

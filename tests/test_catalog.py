@@ -256,6 +256,7 @@ async def test_a_failed_reload_keeps_the_old_generation_and_is_retried(world: Wo
     triton = catalog.status()["triton"]
     assert triton["loaded_generation"] == 1
     assert "out of memory" in triton["last_reload_error"]
+    assert "unload-first needs one" in triton["last_reload_error"]
     assert world.reloads("error") == 1
     catalog.check_servable("a1")
     assert "last reload failed" in raises(CatalogPending, lambda: catalog.check_servable("a2"))

@@ -27,6 +27,7 @@ class TritonNode:
     server: TritonServer
     cache_root: Path  # where the catalog link of the server's vllm_model points
     sidecar_port: int  # where the router expects the sidecar
+    fail_flag: Path  # while it exists, vllm_model fails to load (as out of GPU memory)
 
     @property
     def sidecar_url(self) -> str:
@@ -38,9 +39,11 @@ def triton_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonNode
     workdir = tmp_path_factory.mktemp("triton")
     cache_root = workdir / "cache"
     cache_root.mkdir()
-    server = TritonServer.start(workdir, cache_root / "multi_lora.json")
+    fail_flag = workdir / "fail-vllm-load"
+    server = TritonServer.start(workdir, cache_root / "multi_lora.json",
+                                env={"STANDIN_VLLM_FAIL_FLAG": str(fail_flag)})
     try:
-        node = TritonNode(server, cache_root, free_port())
+        node = TritonNode(server, cache_root, free_port(), fail_flag)
         server.load(ROUTER, router_config(node.sidecar_url, instances=ROUTER_INSTANCES))
         yield node
     finally:

@@ -13,6 +13,7 @@ from tritonclient.utils import InferenceServerException
 
 from compose import client as compose_client
 from sidecar.app import Sidecar
+from sidecar.config import TritonReload
 from tests.conftest import S3Registry, call
 from tests.triton.conftest import StartNodeSidecar, TritonNode, ask
 from tests.triton.harness import VLLM_MODEL
@@ -168,3 +169,37 @@ async def test_new_adapter_in_s3_reaches_the_catalog_triton_reloads_and_serves_i
     assert triton_node.server.log_text().count("[standin-vllm] loaded with") == loads_before + 1
     assert await ask(grpc, "fresh-v1", "hi") == expected_text("fresh-v1", files[WEIGHTS], "hi")
     assert await ask(grpc, "first-v1", "hi") != await ask(grpc, "fresh-v1", "hi")
+
+
+async def test_unload_first_reload_serves_the_new_adapter_after_the_downtime(
+    s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any
+) -> None:
+    s3.put_adapter("before-v1", seed=9)
+    sidecar = await node_sidecar(triton_reload=TritonReload.UNLOAD_FIRST)
+    files = s3.put_adapter("after-v1", seed=10)
+
+    await sidecar.catalog.sync()
+
+    assert sidecar.catalog.status()["triton"]["loaded_generation"] == 2
+    assert await ask(grpc, "after-v1", "x") == expected_text("after-v1", files[WEIGHTS], "x")
+
+
+async def test_a_failed_reload_leaves_the_old_catalog_serving(
+    triton_node: TritonNode, s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any
+) -> None:
+    old = s3.put_adapter("old-v1", seed=12)
+    sidecar = await node_sidecar()
+    s3.put_adapter("new-v1", seed=13)
+    triton_node.fail_flag.touch()
+    try:
+        await sidecar.catalog.sync()
+    finally:
+        triton_node.fail_flag.unlink()
+
+    triton = sidecar.catalog.status()["triton"]
+    assert triton["loaded_generation"] == 1
+    assert "CUDA out of memory (simulated" in triton["last_reload_error"]
+    assert await ask(grpc, "old-v1", "x") == expected_text("old-v1", old[WEIGHTS], "x")
+    error = await router_error(grpc, "new-v1")
+    assert status_of(error) == "UNAVAILABLE"
+    assert "the last reload failed" in error.message()
