@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from sidecar.config import OPTIONS, Settings
+from sidecar.config import OPTIONS, Settings, TritonReload
 from sidecar.examples import write_adapter
 from sidecar.shapes import TINY_LLAMA
 from tests.processes import SidecarProcess, stage_blocking
@@ -188,7 +188,9 @@ def test_cache_volume_is_shared_at_the_paths_the_sidecar_is_told(
     assert "lora-cache" in resolved["volumes"]
 
 
-def test_triton_repository_points_into_the_shared_cache(resolved: dict[str, Any]) -> None:
+def test_triton_serves_the_repository_whose_catalog_the_sidecar_renders(
+    resolved: dict[str, Any],
+) -> None:
     sidecar, triton = resolved["services"]["sidecar"], resolved["services"]["triton"]
     env = sidecar["environment"]
     command = " ".join(triton["command"])
@@ -199,10 +201,17 @@ def test_triton_repository_points_into_the_shared_cache(resolved: dict[str, Any]
     # vllm_model reads its catalog through this link: it must land on what the sidecar renders.
     link = os.readlink(TRITON_REPO / "vllm_model" / "1" / "multi_lora.json")
     assert link == f"{env['LORA_SIDECAR_TRITON_CACHE_ROOT']}/multi_lora.json"
-    for model in ("vllm_model", "multilora_router"):
-        assert f"--load-model={model}" in command
     assert "--model-control-mode=explicit" in command
-    assert env["LORA_SIDECAR_TRITON_URL"] == "http://triton:8000"
+    assert "--load-model=multilora_router" in command
+    # vllm_model is loaded by the sidecar, which then knows which catalog the engine read.
+    assert "--load-model=vllm_model" not in command
+    settings = Settings.from_env({k: v for k, v in env.items()
+                                  if k != "LORA_SIDECAR_BASE_MODEL_CONFIG"})
+    assert settings.triton_url == "http://triton:8000"
+    assert settings.triton_model == "vllm_model"
+    assert settings.triton_reload is TritonReload.UNLOAD_FIRST
+    health = " ".join(triton["healthcheck"]["test"])
+    assert "http://127.0.0.1:8000/v2/models/vllm_model/ready" in health
 
 
 def test_base_model_and_rank_agree_with_the_vllm_model_config(resolved: dict[str, Any]) -> None:
