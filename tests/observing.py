@@ -18,7 +18,7 @@ POLL_S = 0.02
 
 
 async def eventually(
-    probe: Callable[[], Awaitable[T]], *, timeout_s: float, what: str
+    probe: Callable[[], Awaitable[T | None]], *, timeout_s: float, what: str
 ) -> T:
     """The first truthy answer of `probe`; fails the test if none comes within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
