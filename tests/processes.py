@@ -67,9 +67,11 @@ class SidecarProcess:
         return self.log_path.read_text(errors="replace")
 
 
-def stage_blocking(url: str, adapter_id: str, timeout_s: float) -> tuple[int, dict[str, object]]:
+def stage_blocking(url: str, adapter_id: str, timeout_s: float,
+                   **fields: object) -> tuple[int, dict[str, object]]:
+    body = {"adapter_id": adapter_id, **fields}
     request = urllib.request.Request(
-        f"{url}/stage", data=json.dumps({"adapter_id": adapter_id}).encode(), method="POST",
+        f"{url}/stage", data=json.dumps(body).encode(), method="POST",
         headers={"Content-Type": "application/json"},
     )
     try:
