@@ -360,6 +360,9 @@ def _write_if_changed(path: Path, text: str) -> bool:
     a file in its folder changed) does not restart the engine for nothing.
     """
     data = text.encode("utf-8")
+    # A process killed mid-write leaves its temporary file behind; no writer runs now.
+    for leftover in path.parent.glob(f".{path.name}.*"):
+        leftover.unlink(missing_ok=True)
     try:
         if path.read_bytes() == data:
             return False

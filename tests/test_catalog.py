@@ -151,6 +151,8 @@ async def test_a_catalog_left_by_a_previous_run_is_not_rewritten(world: World) -
     await world.catalog().sync()
     path = world.tmp_path / "cache" / "multi_lora.json"
     mtime_ns = path.stat().st_mtime_ns
+    half_written = path.with_name(".multi_lora.json.dead")  # a writer killed mid-write
+    half_written.write_text("{")
 
     restarted = world.catalog()
     await restarted.sync()
@@ -158,6 +160,7 @@ async def test_a_catalog_left_by_a_previous_run_is_not_rewritten(world: World) -
     # Triton reloads a model only when a file in its folder changed: an identical catalog
     # must keep its mtime, and the start-up load is then a no-op for Triton.
     assert path.stat().st_mtime_ns == mtime_ns
+    assert not half_written.exists()
     assert world.control.calls == ["load vllm_model", "load vllm_model"]
     restarted.check_servable("a1")
 

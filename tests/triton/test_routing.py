@@ -421,3 +421,23 @@ async def test_token_file_is_sent_as_a_bearer_token(tmp_path: Path) -> None:
         await runner.cleanup()
 
     assert seen == ["Bearer s3cret"]
+
+
+def test_the_containers_environment_overrides_the_parameters(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("from-file\n")
+    parameters = {"sidecar_url": "http://127.0.0.1:8500", "stage_timeout_s": "30"}
+
+    plain = routing.RouterSettings.from_deployment(parameters, {"LORA_SIDECAR_URL": " "})
+    from_file = routing.RouterSettings.from_deployment(parameters, {
+        "LORA_SIDECAR_URL": "http://sidecar:8500",
+        "LORA_SIDECAR_API_TOKEN_FILE": str(token_file),
+    })
+    from_env = routing.RouterSettings.from_deployment(parameters, {
+        "LORA_SIDECAR_API_TOKEN_FILE": str(token_file), "LORA_SIDECAR_API_TOKEN": "direct",
+    })
+
+    assert (plain.sidecar_url, plain.api_token) == ("http://127.0.0.1:8500", None)
+    assert (from_file.sidecar_url, from_file.api_token) == ("http://sidecar:8500", "from-file")
+    assert from_file.stage_timeout_s == 30
+    assert from_env.api_token == "direct"

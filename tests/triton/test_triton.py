@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from compose import client as compose_client
@@ -203,3 +206,66 @@ async def test_a_failed_reload_leaves_the_old_catalog_serving(
     error = await router_error(grpc, "new-v1")
     assert status_of(error) == "UNAVAILABLE"
     assert "the last reload failed" in error.message()
+
+
+def direct_call(url: str, prompt: str, sampling: dict[str, Any], *, exclude: bool = True,
+                stream: bool = False) -> list[str]:
+    """vllm_model over a gRPC stream, as the router's BLS call reaches it: every text_output
+    piece until the final response; the backend's error raised as RuntimeError."""
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    inputs = []
+    for name, value in (("text_input", prompt), ("sampling_parameters", json.dumps(sampling))):
+        tensor = grpcclient.InferInput(name, [1], "BYTES")
+        tensor.set_data_from_numpy(np.array([value.encode()], dtype=object))
+        inputs.append(tensor)
+    for name, flag in (("exclude_input_in_output", exclude), ("stream", stream)):
+        tensor = grpcclient.InferInput(name, [1], "BOOL")
+        tensor.set_data_from_numpy(np.array([flag]))
+        inputs.append(tensor)
+    pieces: list[str] = []
+    try:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        client.async_stream_infer(VLLM_MODEL, inputs, enable_empty_final_response=True)
+        while True:
+            result, error = answers.get(timeout=30)
+            if error is not None:
+                raise RuntimeError(error.message())
+            output = result.as_numpy("text_output")
+            if output is not None:
+                pieces.extend(p.decode() for p in output.reshape(-1))
+            final = result.get_response().parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                return pieces
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+async def test_the_standin_keeps_the_stock_vllm_backends_contract(
+    triton_node: TritonNode, s3: S3Registry, node_sidecar: StartNodeSidecar,
+    http: aiohttp.ClientSession,
+) -> None:
+    weights = s3.put_adapter("contract-v1", seed=14)[WEIGHTS]
+    sidecar = await node_sidecar()
+    status, _ = await call(http, "POST", f"{sidecar.url}/stage",
+                           {"adapter_id": "contract-v1", "lease": False})
+    assert status == 200
+    url, lora = triton_node.server.grpc_url, {"lora_name": "contract-v1", "temperature": 0}
+    expected = expected_text("contract-v1", weights, "Hi", max_tokens=16)
+
+    def refusal(sampling: dict[str, Any], **kwargs: bool) -> str:
+        with pytest.raises(RuntimeError) as caught:
+            direct_call(url, "Hi", sampling, **kwargs)
+        return str(caught.value)
+
+    assert await asyncio.to_thread(direct_call, url, "Hi", lora) == [expected]
+    assert await asyncio.to_thread(direct_call, url, "Hi", lora, exclude=False) == ["Hi" + expected]
+    streamed = await asyncio.to_thread(direct_call, url, "Hi", lora, stream=True)
+    assert len(streamed) > 1 and "".join(streamed) == expected
+    assert await asyncio.to_thread(refusal, {"lora_name": "nope"}) == (
+        "LoRA nope is not supported, we currently support ['contract-v1']")
+    assert await asyncio.to_thread(refusal, {**lora, "max_token": 3}) == (
+        "Error generating stream: 'NoneType' object has no attribute 'lora_name'")
+    assert "`exclude_input_in_output` = False is not allowed" in await asyncio.to_thread(
+        refusal, lora, exclude=False, stream=True)
