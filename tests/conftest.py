@@ -121,6 +121,15 @@ def s3(moto_server: str, s3_proxy: S3Proxy, tmp_path: Path) -> Iterator[S3Regist
     registry.client.close()
 
 
+def set_moto_auth(moto_url: str, unauthenticated_calls: str) -> None:
+    """Switch moto's credential checks on ("0": no call passes unsigned) or off ("inf")."""
+    request = urllib.request.Request(
+        f"{moto_url}/moto-api/reset-auth", data=unauthenticated_calls.encode(), method="POST",
+        headers={"Content-Type": "text/plain"},  # a form type would swallow the body
+    )
+    urllib.request.urlopen(request, timeout=10).close()
+
+
 # ---- settings and the running sidecar ----------------------------------------------------
 
 

@@ -7,7 +7,6 @@ import asyncio
 import hashlib
 import json
 import socket
-import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -21,6 +20,7 @@ from tests.conftest import (
     local_registry_adapter,
     make_settings,
     s3_settings,
+    set_moto_auth,
 )
 from tests.s3proxy import Seen
 
@@ -193,14 +193,6 @@ async def test_unreachable_registry_is_503_naming_the_endpoint(
     status, ready = await call(http, "GET", f"{sidecar.url}/readyz")
     assert status == 503
     assert "registry" in ready["message"]
-
-
-def set_moto_auth(moto_url: str, unauthenticated_calls: str) -> None:
-    request = urllib.request.Request(
-        f"{moto_url}/moto-api/reset-auth", data=unauthenticated_calls.encode(), method="POST",
-        headers={"Content-Type": "text/plain"},  # a form type would swallow the body
-    )
-    urllib.request.urlopen(request, timeout=10).close()
 
 
 async def test_wrong_credentials_are_502_naming_credentials(
