@@ -223,15 +223,17 @@ class Stager:
             await asyncio.to_thread(_seal, staging, record)
             self._store.publish(staging, record)
             staging = None
-            await asyncio.to_thread(fsync_dir, self._store.adapters_dir)
             elapsed = time.perf_counter() - started
             self._metrics.download_duration.observe(elapsed)
             log.info("staged adapter_id=%s bytes=%d files=%d in %.2fs (%.1f MB/s)", adapter_id,
                      size_bytes, len(listing.files), elapsed, size_bytes / 1e6 / max(elapsed, 1e-6),
                      extra=fields(event="staged", adapter_id=adapter_id, size_bytes=size_bytes,
                                   files=len(listing.files), duration_s=round(elapsed, 3)))
+            # Trimmed in the same loop step as the publication, never after an await: no
+            # request may see the cache over budget with an adapter nothing protects.
             if self._store.trim():
                 self._on_trash()
+            await asyncio.to_thread(fsync_dir, self._store.adapters_dir)
         except SidecarError as exc:
             _log_failure(adapter_id, exc, time.perf_counter() - started)
             raise
