@@ -63,7 +63,6 @@ class SidecarProcess:
         self._log.close()
 
     def log_text(self) -> str:
-        self._log.flush()
         return self.log_path.read_text(errors="replace")
 
 
