@@ -143,11 +143,6 @@ class Catalog:
 
     # ---- what /stage and /catalog see --------------------------------------------------
 
-    @property
-    def checks_triton(self) -> bool:
-        """Whether the sidecar knows what Triton has loaded (and so can refuse early)."""
-        return self._reloads
-
     def check_servable(self, adapter_id: str) -> None:
         """Raise CatalogPending or CatalogReloading unless Triton's loaded catalog lists the id.
 
@@ -161,8 +156,8 @@ class Catalog:
             self._ask_early_listing()
             raise CatalogPending(
                 f"adapter {adapter_id} is not in the catalog yet (the registry was last listed "
-                f"{self._age(self._listed_mono)}); it is being listed again, after which "
-                f"Triton reloads {model}",
+                f"{self._age(self._listed_mono)}); it is listed again shortly, then Triton "
+                f"reloads {model}",
                 adapter_id=adapter_id,
             )
         if self._reloading:
