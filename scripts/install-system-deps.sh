@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Debian packages the tests need: a real Prometheus (and promtool) and a Compose parser.
+# Debian packages the tests need: a real Prometheus (and promtool), a Compose parser, and
+# mount (the disk tests give the cache a tmpfs of its own).
 # Installs only what is missing; needs root or sudo the first time.
 set -euo pipefail
 
@@ -7,6 +8,7 @@ missing=()
 command -v prometheus >/dev/null || missing+=(prometheus)
 command -v promtool >/dev/null || missing+=(prometheus)
 command -v docker-compose >/dev/null || missing+=(docker-compose)
+command -v mount >/dev/null || missing+=(mount)  # the disk tests mount a tmpfs of their own
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 sudo=""
