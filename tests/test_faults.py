@@ -16,6 +16,7 @@ import pytest
 from aiohttp import web
 
 from sidecar.config import Settings
+from sidecar.shapes import ModelShapes
 from sidecar.transfer import BACKOFF_CAP_S, backoff_s
 from sidecar.validate import Rules
 from tests.cache_checks import check_cache, folder_bytes
@@ -226,8 +227,6 @@ async def test_an_object_changed_after_listing_is_refused_then_the_new_one_stage
     tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
     size: str,
 ) -> None:
-    from sidecar.shapes import ModelShapes
-
     kwargs: dict[str, Any] = {}
     if size == "ranged":  # several 5 MiB ranged GETs, each of which must carry If-Match
         kwargs = {"rank": 16, "target_modules": ("q_proj", "k_proj", "v_proj", "o_proj",

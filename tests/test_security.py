@@ -347,7 +347,7 @@ async def test_the_watcher_quarantines_a_folder_copied_in_under_an_invalid_id(
     while (tmp_path / "cache" / "adapters" / "bad id").exists():
         assert time.monotonic() < deadline, "the watcher left the folder in adapters/"
         await asyncio.sleep(0.05)
-    assert [p.name.startswith("bad id.") for p in (tmp_path / "cache" / ".quarantine").iterdir()]
+    assert any(p.name.startswith("bad id.") for p in (tmp_path / "cache" / ".quarantine").iterdir())
     _, listing = await call(http, "GET", f"{sidecar.url}/adapters")
     assert listing["adapters"] == []
 
@@ -378,7 +378,7 @@ async def test_unsafe_registry_keys_are_refused_and_nothing_is_written_outside_t
     assert files_outside(tmp_path, cache) == before
     assert not any("escape" in str(p) or p.name == "passwd" for p in cache.rglob("*"))
     assert list((cache / "adapters").iterdir()) == [] and list((cache / ".staging").iterdir()) == []
-    assert s3.proxy.gets(f"/{name}") == [] and s3.proxy.gets("/evil/") == []  # never fetched
+    assert s3.proxy.gets("/evil/") == []  # refused from the listing: nothing was fetched
 
 
 async def test_a_local_registry_file_linking_outside_the_registry_is_refused(
