@@ -26,6 +26,7 @@ SourceUnavailable for transient faults (retried here unless marked not retryable
 SidecarErrors for final ones."""
 
 WRITE_CHUNK_BYTES = 1024 * 1024  # bytes gathered before one pwrite: few thread hops, small RAM
+MAX_WRITE_BUFFERS = 256  # chunks in one pwritev, well under IOV_MAX (1024)
 HASH_CHUNK_BYTES = 4 * 1024 * 1024
 BACKOFF_BASE_S = 0.2
 BACKOFF_CAP_S = 5.0
@@ -156,51 +157,63 @@ async def _stream_into(
     on_bytes: Callable[[int], None],
 ) -> int:
     """Stream [offset, end) to disk; return how far it got. Progress survives a failure."""
-    buffer = bytearray()
+    # Chunks are kept as the socket delivered them and written with one pwritev: gathering
+    # them into a buffer first cost two copies of every byte on the event loop's thread.
+    pending: list[bytes] = []
+    pending_bytes = 0
     chunks = fetch_range(offset, end)
     try:
         async for chunk in chunks:
-            if offset + len(buffer) + len(chunk) > end:
+            if offset + pending_bytes + len(chunk) > end:
                 raise SourceUnavailable(
                     "the registry sent more bytes than the range asked for", cause="long_body"
                 )
-            buffer += chunk
-            if len(buffer) >= WRITE_CHUNK_BYTES:
-                offset = await _flush(fd, buffer, offset, part, progress, on_bytes)
+            pending.append(chunk)
+            pending_bytes += len(chunk)
+            if pending_bytes >= WRITE_CHUNK_BYTES or len(pending) >= MAX_WRITE_BUFFERS:
+                offset = await _flush(fd, pending, offset, part, progress, on_bytes)
+                pending_bytes = 0
     except SourceUnavailable:
-        if buffer:  # keep what arrived: the retry resumes after it
-            await _flush(fd, buffer, offset, part, progress, on_bytes)
+        if pending:  # keep what arrived: the retry resumes after it
+            await _flush(fd, pending, offset, part, progress, on_bytes)
         raise
     finally:
         await chunks.aclose()
-    if buffer:
-        offset = await _flush(fd, buffer, offset, part, progress, on_bytes)
+    if pending:
+        offset = await _flush(fd, pending, offset, part, progress, on_bytes)
     return offset
 
 
 async def _flush(
     fd: int,
-    buffer: bytearray,
+    pending: list[bytes],
     offset: int,
     part: int,
     progress: _Progress,
     on_bytes: Callable[[int], None],
 ) -> int:
-    data = bytes(buffer)
-    buffer.clear()
-    await asyncio.to_thread(_pwrite_all, fd, data, offset)
-    offset += len(data)
+    """Write and empty `pending`; return the offset after it."""
+    written = await asyncio.to_thread(_pwrite_all, fd, pending, offset)
+    pending.clear()
+    offset += written
     progress.advance(part, offset)
-    on_bytes(len(data))
+    on_bytes(written)
     return offset
 
 
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view = view[written:]
+def _pwrite_all(fd: int, buffers: list[bytes], offset: int) -> int:
+    views = [memoryview(b) for b in buffers if b]
+    total = 0
+    while views:
+        written = os.pwritev(fd, views, offset)
         offset += written
+        total += written
+        while views and written >= len(views[0]):  # drop what is written, trim a part-write
+            written -= len(views[0])
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]
+    return total
 
 
 async def _hash_in_order(path: Path, size_bytes: int, progress: _Progress) -> str:
@@ -208,6 +221,9 @@ async def _hash_in_order(path: Path, size_bytes: int, progress: _Progress) -> st
     cache), so the digest is ready moments after the last part lands."""
     digest = hashlib.sha256()
     hashed = 0
+    # One buffer reused for every read: a fresh 4 MiB object per read left the allocator's
+    # per-thread arenas holding tens of MB for the rest of the process's life.
+    buffer = bytearray(HASH_CHUNK_BYTES)
     read_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         while hashed < size_bytes:
@@ -218,15 +234,17 @@ async def _hash_in_order(path: Path, size_bytes: int, progress: _Progress) -> st
                     await progress.changed.wait()
                 continue
             length = min(ready - hashed, HASH_CHUNK_BYTES)
-            await asyncio.to_thread(_hash_range, read_fd, digest, hashed, length)
+            await asyncio.to_thread(_hash_range, read_fd, digest, buffer, hashed, length)
             hashed += length
     finally:
         os.close(read_fd)
     return digest.hexdigest()
 
 
-def _hash_range(fd: int, digest: hashlib._Hash, offset: int, length: int) -> None:
-    data = os.pread(fd, length, offset)
-    if len(data) != length:
-        raise OSError(f"short read at byte {offset} while hashing")
-    digest.update(data)
+def _hash_range(
+    fd: int, digest: hashlib._Hash, buffer: bytearray, offset: int, length: int
+) -> None:
+    with memoryview(buffer)[:length] as view:
+        if os.preadv(fd, [view], offset) != length:
+            raise OSError(f"short read at byte {offset} while hashing")
+        digest.update(view)
