@@ -79,7 +79,7 @@ def upload(client: Any, adapters: list[Adapter]) -> None:
     """Put every adapter under s3://BUCKET/PREFIX/<adapter_id>/ (boto3 client)."""
     try:
         client.create_bucket(Bucket=BUCKET)
-    except client.exceptions.BucketAlreadyOwnedByYou:
+    except (client.exceptions.BucketAlreadyOwnedByYou, client.exceptions.BucketAlreadyExists):
         pass
     existing = {
         obj["Key"]: obj["Size"]

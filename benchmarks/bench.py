@@ -56,6 +56,8 @@ class Results:
     machine: dict[str, Any] = field(default_factory=dict)
     # phase -> adapter label -> stager name -> seconds of each run
     cold: dict[str, dict[str, dict[str, list[float]]]] = field(default_factory=dict)
+    # the same, CPU seconds the client used during each run
+    cold_cpu: dict[str, dict[str, dict[str, list[float]]]] = field(default_factory=dict)
     ceiling_mb_s: dict[str, float] = field(default_factory=dict)
     hit: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     memory: dict[str, float] = field(default_factory=dict)
@@ -76,32 +78,40 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def timed_fetch(stager: Stager, adapter: Adapter) -> float:
+def timed_fetch(stager: Stager, adapter: Adapter) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the client) of one cold fetch, checked and undone."""
+    cpu_before = stager.cpu_s()
     started = time.perf_counter()
     folder = stager.fetch(adapter.adapter_id)
     elapsed = time.perf_counter() - started
+    cpu = stager.cpu_s() - cpu_before
     adapters_mod.verify(adapter, folder)
     stager.reset(adapter.adapter_id)
-    return elapsed
+    return elapsed, cpu
 
 
-def run_cold(ctx: Context, phase: str, stagers: list[Stager], results: Results) -> None:
+def run_cold(
+    ctx: Context, phase: str, stagers: list[Stager], results: Results, runs: int
+) -> None:
     """Rounds of every adapter by every stager, the order rotated each round."""
     table = results.cold.setdefault(phase, {})
+    cpu_table = results.cold_cpu.setdefault(phase, {})
     for stager in stagers:  # warm-up, untimed: imports, connections, page cache
         stager.reset(ctx.adapters[0].adapter_id)
         timed_fetch(stager, ctx.adapters[0])
-    for round_index in range(ctx.args.runs):
+    for round_index in range(runs):
         for adapter in ctx.adapters:
             shift = round_index % len(stagers)
             for stager in stagers[shift:] + stagers[:shift]:
-                seconds = timed_fetch(stager, adapter)
+                seconds, cpu = timed_fetch(stager, adapter)
                 table.setdefault(adapter.label, {}).setdefault(stager.name, []).append(seconds)
-                log(f"{phase}: {adapter.label} {stager.name}: {seconds:.2f} s")
+                cpu_table.setdefault(adapter.label, {}).setdefault(stager.name, []).append(cpu)
+                log(f"{phase}: {adapter.label} {stager.name}: {seconds:.2f} s, CPU {cpu:.2f} s")
 
 
-def curl_ceiling(ctx: Context, server: S3Server) -> float:
-    """Median MB/s of one plain GET of the largest object to /dev/null."""
+def curl_ceiling(ctx: Context, server: S3Server, limit_bytes: int | None) -> float:
+    """Median MB/s of one plain GET of the largest object (or its first `limit_bytes`) to
+    /dev/null."""
     biggest = ctx.adapters[-1]
     key = f"{adapters_mod.PREFIX}/{biggest.adapter_id}/adapter_model.safetensors"
     url = s3_client(server.endpoint_url).generate_presigned_url(
@@ -110,7 +120,8 @@ def curl_ceiling(ctx: Context, server: S3Server) -> float:
     for _ in range(max(ctx.args.runs, 1)):
         done = subprocess.run(
             [ctx.tools.curl, "-sSf", "-o", "/dev/null", "-w", "%{size_download} %{time_total}",
-             url], capture_output=True, text=True, check=True)
+             *(["-r", f"0-{limit_bytes - 1}"] if limit_bytes else []), url],
+            capture_output=True, text=True, check=True)
         size, seconds = done.stdout.split()
         speeds.append(int(size) / float(seconds) / 1e6)
     return statistics.median(speeds)
@@ -132,15 +143,18 @@ def start_sidecar(ctx: Context, server: S3Server) -> SidecarStager:
                          ctx.dest / "sidecar-cache", ctx.env, tuple(ctx.args.sidecar_arg))
 
 
-def cold_phase(ctx: Context, phase: str, server: S3Server, results: Results) -> None:
+def cold_phase(
+    ctx: Context, phase: str, server: S3Server, results: Results, *, runs: int,
+    ceiling_bytes: int | None = None,
+) -> None:
     log(f"{phase}: curl ceiling")
-    results.ceiling_mb_s[phase] = curl_ceiling(ctx, server)
+    results.ceiling_mb_s[phase] = curl_ceiling(ctx, server, ceiling_bytes)
     if ctx.args.no_sidecar:
-        run_cold(ctx, phase, alternatives(ctx, server), results)
+        run_cold(ctx, phase, alternatives(ctx, server), results, runs)
         return
     sidecar = start_sidecar(ctx, server)
     try:
-        run_cold(ctx, phase, [sidecar, *alternatives(ctx, server)], results)
+        run_cold(ctx, phase, [sidecar, *alternatives(ctx, server)], results, runs)
     finally:
         sidecar.close()
 
@@ -186,12 +200,19 @@ def hit_phase(ctx: Context, sidecar: SidecarStager, adapter: Adapter, results: R
         hitpath.pin_to_server_cpu(sidecar.pid)
         targets = {"sidecar": f"http://127.0.0.1:{sidecar.port}",
                    "bare aiohttp": f"http://127.0.0.1:{port}"}
-        for clients in HIT_CLIENTS:
-            for name, url in targets.items():
-                result = hitpath.run_wrk(ctx.tools.wrk, url, adapter.adapter_id, clients,
-                                         ctx.args.hit_seconds)
-                results.hit.setdefault(name, []).append(asdict(result))
-                log(f"hit: {name} x{clients}: {result}")
+        runs: dict[tuple[str, int], list[hitpath.LoadResult]] = {}
+        for repeat in range(ctx.args.hit_runs):
+            for clients in HIT_CLIENTS:
+                order = list(targets.items())
+                if (repeat + clients) % 2:  # neither server always goes first
+                    order.reverse()
+                for name, url in order:
+                    result = hitpath.run_wrk(ctx.tools.wrk, url, adapter.adapter_id, clients,
+                                             ctx.args.hit_seconds)
+                    runs.setdefault((name, clients), []).append(result)
+                    log(f"hit: {name} x{clients}: {result}")
+        for (name, _), cell in runs.items():
+            results.hit.setdefault(name, []).append(asdict(hitpath.median_of(cell)))
     finally:
         ctx.sup.stop(bare)
 
@@ -223,18 +244,21 @@ def render(results: Results, adapters: list[Adapter]) -> str:
         ceiling = results.ceiling_mb_s.get(phase)
         out.append(f"\n### Cold stage, {phase}"
                    + (f" (curl, one GET: {ceiling:.0f} MB/s)" if ceiling else ""))
-        out.append("\n| adapter | client | median s | MB/s | time / sidecar's | runs (s) |")
-        out.append("|---|---|---:|---:|---:|---|")
+        out.append("\n| adapter | client | median s | MB/s | time / sidecar's | CPU s | "
+                   "runs (s) |")
+        out.append("|---|---|---:|---:|---:|---:|---|")
         for label, by_stager in by_size.items():
             base = statistics.median(by_stager["sidecar"]) if "sidecar" in by_stager else None
             for name, runs in by_stager.items():
                 median = statistics.median(runs)
+                cpu = statistics.median(results.cold_cpu[phase][label][name])
                 ratio = f"{median / base:.2f}" if base else "-"
                 shown = ", ".join(f"{r:.2f}" for r in runs)
                 out.append(f"| {label} | {name} | {median:.2f} | "
-                           f"{sizes[label] / median / 1e6:.0f} | {ratio} | {shown} |")
+                           f"{sizes[label] / median / 1e6:.0f} | {ratio} | {cpu:.2f} | {shown} |")
     if results.hit:
-        out.append("\n### Hit path: POST /stage on a cached adapter, keep-alive clients")
+        out.append("\n### Hit path: POST /stage on a cached adapter, keep-alive clients "
+                   "(median of the runs)")
         out.append("\n| clients | sidecar req/s | bare aiohttp req/s | sidecar / bare | "
                    "sidecar p50 ms | sidecar p99 ms | bare p50 ms | bare p99 ms |")
         out.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -279,8 +303,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="27 and 84 MB adapters, one run, 3 s of load: for iterating")
     parser.add_argument("--runs", type=int, default=None, help="timed runs per cell (3)")
+    parser.add_argument("--moto-runs", type=int, default=1,
+                        help="timed runs per cell against moto (1: its whole-object copy per "
+                        "range makes a 671 MB stage take most of a minute)")
+    parser.add_argument("--hit-runs", type=int, default=None,
+                        help="interleaved load runs per hit-path cell (3)")
     parser.add_argument("--phases", default="loopback,moto,shaped,memory,hit",
                         help="comma-separated subset of loopback,moto,shaped,memory,hit")
+    parser.add_argument("--only", default="",
+                        help="comma-separated adapter ids to stage (default: every one)")
     parser.add_argument("--hit-seconds", type=float, default=None, help="load per cell (10)")
     parser.add_argument("--dest", type=Path, default=Path("/dev/shm/lsbench"),
                         help="where every client writes (default tmpfs: this machine's disk "
@@ -295,6 +326,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.phases -= {"memory", "hit"}
     if args.runs is None:
         args.runs = 1 if args.quick else 3
+    if args.hit_runs is None:
+        args.hit_runs = 1 if args.quick else 3
     if args.hit_seconds is None:
         args.hit_seconds = 3.0 if args.quick else 10.0
     return args
@@ -308,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     tools = ensure_tools(work)
     log("generating adapters (first run only)")
     specs = adapters_mod.QUICK if args.quick else adapters_mod.FULL
+    if args.only:
+        specs = tuple(s for s in specs if s.adapter_id in args.only.split(","))
     adapters = adapters_mod.generate(specs, work / "adapters")
     sup = Supervisor(work / "logs")
     shutil.rmtree(args.dest, ignore_errors=True)
@@ -337,7 +372,7 @@ def run_phases(ctx: Context, results: Results) -> None:
     log("uploading to s3rver")
     adapters_mod.upload(s3_client(s3rver.endpoint_url), ctx.adapters)
     if "loopback" in phases:
-        cold_phase(ctx, "loopback, s3rver", s3rver, results)
+        cold_phase(ctx, "loopback, s3rver", s3rver, results, runs=ctx.args.runs)
     if phases & {"memory", "hit"}:
         memory_and_hit_phase(ctx, s3rver, results)
     ctx.sup.stop(s3rver.proc)
@@ -346,7 +381,7 @@ def run_phases(ctx: Context, results: Results) -> None:
         try:
             log("uploading to moto")
             adapters_mod.upload(s3_client(moto.endpoint_url), ctx.adapters)
-            cold_phase(ctx, "loopback, moto", moto, results)
+            cold_phase(ctx, "loopback, moto", moto, results, runs=ctx.args.moto_runs)
         finally:
             ctx.sup.stop(moto.proc)
     if "shaped" in phases:
@@ -357,7 +392,9 @@ def run_phases(ctx: Context, results: Results) -> None:
             phase = (f"shaped link, s3rver ({SHAPED_MBIT} Mbit/s per connection, "
                      f"+{SHAPED_DELAY_MS} ms per response)")
             try:
-                cold_phase(ctx, phase, server, results)
+                # One stream at 200 Mbit/s would take half a minute for the whole object.
+                cold_phase(ctx, phase, server, results, runs=ctx.args.runs,
+                           ceiling_bytes=100 * 1000**2)
             finally:
                 ctx.sup.stop(server.proc)
         finally:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import resource
 import shutil
 import subprocess
 import time
@@ -28,6 +30,10 @@ class Stager(Protocol):
     def fetch(self, adapter_id: str) -> Path: ...
 
     def reset(self, adapter_id: str) -> None: ...
+
+    def cpu_s(self) -> float:
+        """CPU seconds the client has used so far (user + system), a counter."""
+        ...
 
 
 def s3_client(endpoint_url: str, config: Config | None = None) -> Any:
@@ -64,6 +70,9 @@ class Boto3Stager:
     def reset(self, adapter_id: str) -> None:
         shutil.rmtree(self._dest / adapter_id, ignore_errors=True)
 
+    def cpu_s(self) -> float:
+        return time.process_time()  # its threads run in this process, which waits meanwhile
+
 
 def tuned_boto3(server: S3Server, dest: Path) -> Boto3Stager:
     """boto3 given what an operator would tune: many threads, a pool to match, 8 MiB parts."""
@@ -99,6 +108,10 @@ class CommandStager:
 
     def reset(self, adapter_id: str) -> None:
         shutil.rmtree(self._dest / adapter_id, ignore_errors=True)
+
+    def cpu_s(self) -> float:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # children that have ended
+        return usage.ru_utime + usage.ru_stime
 
 
 def aws_cli(aws: Path, server: S3Server, env: Mapping[str, str], dest: Path) -> CommandStager:
@@ -200,6 +213,10 @@ class SidecarStager:
         deadline = time.monotonic() + 60
         while trash.exists() and any(trash.iterdir()) and time.monotonic() < deadline:
             time.sleep(0.05)
+
+    def cpu_s(self) -> float:
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def close(self) -> None:
         self._conn.close()

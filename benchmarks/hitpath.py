@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,4 +41,14 @@ def run_wrk(wrk: str, url: str, adapter_id: str, clients: int, seconds: float) -
         requests_per_s=result["requests"] / (result["duration_us"] / 1e6),
         p50_ms=result["p50_us"] / 1000,
         p99_ms=result["p99_us"] / 1000,
+    )
+
+
+def median_of(results: list[LoadResult]) -> LoadResult:
+    """Each figure's median over repeated runs of one cell."""
+    return LoadResult(
+        clients=results[0].clients,
+        requests_per_s=statistics.median(r.requests_per_s for r in results),
+        p50_ms=statistics.median(r.p50_ms for r in results),
+        p99_ms=statistics.median(r.p99_ms for r in results),
     )
