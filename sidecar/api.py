@@ -218,6 +218,8 @@ async def stage(request: web.Request) -> web.Response:
         except SidecarError:
             if result.lease is not None:
                 services.store.release(result.lease.lease_id)
+                if services.store.trim():
+                    services.purge_trash()
             raise
     return web.json_response(_stage_view(services, result))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -126,3 +127,19 @@ def test_json_lines_put_the_fields_of_a_state_change_beside_the_message() -> Non
     assert line["message"] == "staged adapter_id=a"
     assert line["level"] == "info"
     assert (line["adapter_id"], line["size_bytes"], line["duration_s"]) == ("a", 10, 0.25)
+
+
+def test_malformed_requests_are_logged_as_one_debug_line_without_a_traceback() -> None:
+    from aiohttp.http_exceptions import LineTooLong
+
+    from sidecar.logs import _QuietBadRequests
+
+    try:
+        raise LineTooLong("header line", "8190", "20000")
+    except LineTooLong:
+        record = logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1,
+                                   "Error handling request", None, sys.exc_info())
+    assert _QuietBadRequests().filter(record) is True
+    assert record.levelno == logging.DEBUG
+    assert record.exc_info is None
+    assert "malformed request" in record.getMessage()
