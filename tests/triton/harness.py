@@ -107,6 +107,12 @@ class TritonServer:
         backends = build_backends(workdir / "backends")
         repository = copy_model_repository(workdir / "model_repository", catalog_path)
         libs = pytriton_dir().parent.parent / "nvidia_pytriton.libs"
+        libdir = sysconfig.get_config_var("LIBDIR")
+        libpython = f"libpython{sys.version_info.major}.{sys.version_info.minor}.so.1.0"
+        if not (Path(libdir) / libpython).exists():
+            raise RuntimeError(f"the Python backend stub needs {libpython}, which is not in "
+                               f"{libdir}: use a Python built with --enable-shared (pyenv's "
+                               "is), or install Debian's libpython3.11")
         # The router reads LORA_SIDECAR_* from its environment; a developer's own must not
         # leak into the test's server.
         child_env = {k: v for k, v in os.environ.items()
@@ -115,8 +121,7 @@ class TritonServer:
         # libpython, which lives in the interpreter's LIBDIR.
         child_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{child_env.get('PATH', '')}"
         child_env["LD_LIBRARY_PATH"] = os.pathsep.join(
-            p for p in (str(libs), sysconfig.get_config_var("LIBDIR"),
-                        child_env.get("LD_LIBRARY_PATH")) if p
+            p for p in (str(libs), libdir, child_env.get("LD_LIBRARY_PATH")) if p
         )
         child_env.update(env or {})
         http_port, grpc_port = free_port(), free_port()
