@@ -40,6 +40,7 @@ class ModelControl(Protocol):
 
     async def load(self, model: str) -> None: ...
     async def unload(self, model: str) -> None: ...
+    async def is_ready(self, model: str) -> bool: ...
     async def close(self) -> None: ...
 
 
@@ -51,6 +52,7 @@ class TritonControl:
         self._ssl = url.startswith("https://")
         self._timeout_s = timeout_s
         self._client: Any = None
+        self._last_answer: Any = None
 
     async def _call(self, method: str, model: str) -> None:
         from tritonclient.http.aio import InferenceServerClient
@@ -62,7 +64,7 @@ class TritonControl:
                                                  conn_timeout=self._timeout_s)
         try:
             async with asyncio.timeout(self._timeout_s):
-                await getattr(self._client, method)(model)
+                self._last_answer = await getattr(self._client, method)(model)
         except InferenceServerException as exc:
             raise ReloadFailed(f"Triton refused to {method.split('_')[0]} {model}: "
                                f"{exc.message()}") from exc
@@ -80,6 +82,14 @@ class TritonControl:
 
     async def unload(self, model: str) -> None:
         await self._call("unload_model", model)
+
+    async def is_ready(self, model: str) -> bool:
+        """Whether Triton serves the model now; False when Triton cannot be asked."""
+        try:
+            await self._call("is_model_ready", model)
+        except ReloadFailed:
+            return False
+        return bool(self._last_answer)
 
     async def close(self) -> None:
         if self._client is not None:
@@ -138,6 +148,9 @@ class Catalog:
         self._listed_at: float | None = None  # unix
         self._listed_mono: float | None = None
         self._list_error: str | None = None
+        # Set when this process's first render found multi_lora.json already current: Triton
+        # may serve it already, and an unload-first reload would restart the engine for nothing.
+        self._file_current_at_start = False
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()  # one listing or reload at a time
 
@@ -250,6 +263,7 @@ class Catalog:
         async with self._lock:
             listed = await self._refresh()
             if self._reloads:
+                await self._notice_lost_model()
                 await self._reload_if_due()
             return listed
 
@@ -275,6 +289,8 @@ class Catalog:
         target = self._rendered
         model = self._settings.triton_model
         mode = self._settings.triton_reload
+        if await self._adopt_loaded(target):
+            return
         self._reloading = True
         self._last_reload_started = self._clock()
         started = time.monotonic()
@@ -306,6 +322,43 @@ class Catalog:
                      model, target.number, time.monotonic() - started)
         finally:
             self._reloading = False
+
+    async def _adopt_loaded(self, target: Generation) -> bool:
+        """At start, take over what Triton already serves instead of reloading it.
+
+        When the catalog file was already current and the model is ready, a plain load is a
+        no-op in Triton (nothing in the model folder changed since it loaded), so it confirms
+        the catalog without restarting the engine. If the file did change under a loaded
+        model, the load reloads it; if that cannot fit on the GPU it fails and the
+        configured mode takes over on the next attempt.
+        """
+        if self._control is None or self._last_reload_started is not None:
+            return False
+        if not self._file_current_at_start or not await self._control.is_ready(
+            self._settings.triton_model
+        ):
+            return False
+        try:
+            await self._control.load(self._settings.triton_model)
+        except ReloadFailed as exc:
+            log.info("catalog: could not confirm the loaded catalog (%s); reloading", exc)
+            return False
+        self._loaded = target
+        self._last_reload_at = time.time()
+        log.info("catalog: %s already serves generation %d; no reload needed",
+                 self._settings.triton_model, target.number)
+        return True
+
+    async def _notice_lost_model(self) -> None:
+        """A Triton restarted without the vLLM model (or that unloaded it) needs a load."""
+        if self._control is None or not self._reloads or self._loaded is None:
+            return
+        if self._reloading or await self._control.is_ready(self._settings.triton_model):
+            return
+        log.warning("catalog: Triton no longer serves %s (restarted?); loading it again",
+                    self._settings.triton_model)
+        self._loaded = None
+        self._last_reload_started = None  # due now, not after the minimum interval
 
     async def close(self) -> None:
         if self._control is not None:
@@ -341,6 +394,8 @@ class Catalog:
         }
         text = json.dumps(catalog, indent=2) + "\n"
         written = await asyncio.to_thread(_write_if_changed, self.path, text)
+        if self._rendered is None:
+            self._file_current_at_start = not written
         number = self._rendered.number + 1 if self._rendered else 1
         self._rendered = Generation(number, adapter_ids, time.time())
         self._metrics.catalog_adapters.set(len(adapter_ids))

@@ -44,6 +44,7 @@ async def test_count_budget_evicts_least_recently_used(
 
     assert cached_ids(tmp_path) == {"a", "c"}
     status, listing = await call(http, "GET", f"{sidecar.url}/adapters")
+    assert status == 200
     assert [a["adapter_id"] for a in listing["adapters"]] == ["c", "a"]
     assert listing["cache"]["adapters"] == 2
 

@@ -32,6 +32,7 @@ class RecordingControl:
     entered: asyncio.Event = field(default_factory=asyncio.Event)
     failures: int = 0
     loaded: asyncio.Queue[None] = field(default_factory=asyncio.Queue)
+    ready: bool = False  # what Triton answers to "is vllm_model ready?"
 
     async def load(self, model: str) -> None:
         self.calls.append(f"load {model}")
@@ -41,10 +42,15 @@ class RecordingControl:
         if self.failures:
             self.failures -= 1
             raise ReloadFailed("Triton refused to load vllm_model: out of memory")
+        self.ready = True
         self.loaded.put_nowait(None)
 
     async def unload(self, model: str) -> None:
         self.calls.append(f"unload {model}")
+        self.ready = False
+
+    async def is_ready(self, model: str) -> bool:
+        return self.ready
 
     async def close(self) -> None:
         self.calls.append("close")
@@ -338,3 +344,47 @@ async def test_the_sidecar_is_not_ready_until_a_catalog_is_rendered(world: World
     world.add_adapter("a1")
     await catalog.sync()
     assert catalog.problem() is None
+
+
+async def test_a_restarted_sidecar_adopts_the_catalog_triton_already_serves(world: World) -> None:
+    world.add_adapter("a1")
+    await world.catalog(triton_reload=TritonReload.UNLOAD_FIRST).sync()
+    world.control.calls.clear()
+    assert world.control.ready  # Triton keeps serving while the sidecar restarts
+
+    restarted = world.catalog(triton_reload=TritonReload.UNLOAD_FIRST)
+    await restarted.sync()
+
+    # No unload: restarting the engine would cost minutes of GPU downtime for nothing.
+    assert world.control.calls == ["load vllm_model"]
+    assert restarted.status()["triton"]["loaded_generation"] == 1
+    restarted.check_servable("a1")
+
+
+async def test_a_changed_catalog_at_start_is_reloaded_in_the_configured_mode(
+    world: World,
+) -> None:
+    world.add_adapter("a1")
+    await world.catalog(triton_reload=TritonReload.UNLOAD_FIRST).sync()
+    world.add_adapter("a2")  # arrived while the sidecar was down
+    world.control.calls.clear()
+
+    restarted = world.catalog(triton_reload=TritonReload.UNLOAD_FIRST)
+    await restarted.sync()
+
+    assert world.control.calls == ["unload vllm_model", "load vllm_model"]
+    restarted.check_servable("a2")
+
+
+async def test_a_triton_that_lost_the_vllm_model_gets_it_loaded_again(world: World) -> None:
+    world.add_adapter("a1")
+    catalog = world.catalog(triton_reload_min_interval_s=3600.0)
+    await catalog.sync()
+    await catalog.sync()
+    assert world.control.calls == ["load vllm_model"]
+
+    world.control.ready = False  # Triton restarted without loading it
+    await catalog.sync()
+
+    assert world.control.calls == ["load vllm_model", "load vllm_model"]
+    assert catalog.status()["triton"]["loaded_generation"] == 1

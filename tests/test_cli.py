@@ -81,10 +81,11 @@ def test_examples_fill_an_empty_registry_once(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=60)
     assert second.returncode == 0
     assert {p: p.stat().st_mtime_ns for p in registry.rglob("*")} == before
-    code, out, _ = subprocess.run(
-        [sys.executable, "-m", "sidecar", "validate", str(registry / ids[0])],
-        capture_output=True, text=True, timeout=60).returncode, "", ""
-    assert code == 0
+    for adapter_id in ids:
+        checked = subprocess.run(
+            [sys.executable, "-m", "sidecar", "validate", str(registry / adapter_id)],
+            capture_output=True, text=True, timeout=60)
+        assert checked.returncode == 0, checked.stdout
 
 
 async def test_client_commands_against_a_running_sidecar(

@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import json
 import socket
+import threading
 from pathlib import Path
 
 import aiohttp
@@ -131,7 +132,8 @@ async def test_large_adapter_uses_ranged_parts_and_arrives_intact(
     assert status == 200, body
     got = (Path(body["local_path"]) / "adapter_model.safetensors").read_bytes()
     assert hashlib.sha256(got).digest() == hashlib.sha256(weights).digest()
-    ranges = sorted(s.range or "" for s in s3.proxy.gets(s3.key("big", "adapter_model.safetensors")))
+    gets = s3.proxy.gets(s3.key("big", "adapter_model.safetensors"))
+    ranges = sorted(s.range or "" for s in gets)
     expected_parts = -(-len(weights) // settings.part_size_bytes)
     assert len(ranges) == expected_parts
     assert len(set(ranges)) == expected_parts  # each part fetched once
@@ -231,14 +233,12 @@ async def test_caller_timeout_is_504_and_the_download_goes_on(
     tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession
 ) -> None:
     s3.put_adapter("slow")
-    release = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    released = False
+    released = threading.Event()
 
     async def stall_weights(request: web.Request, seen: Seen) -> None:
+        # Runs on the proxy's own loop: wait for the test without blocking that loop.
         if seen.method == "GET" and seen.path.endswith("adapter_model.safetensors"):
-            while not released:
-                await asyncio.sleep(0.02)
+            await asyncio.to_thread(released.wait, 30)
         return None
 
     s3.proxy.fault = stall_weights
@@ -248,8 +248,7 @@ async def test_caller_timeout_is_504_and_the_download_goes_on(
     assert status == 504
     assert body["error"] == "stage_timeout"
     assert "slow" in sidecar.stager.inflight
-    released = True
-    loop.call_soon(release.set)
+    released.set()
     status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "slow"})
     assert status == 200
     assert len(s3.proxy.gets(s3.key("slow", "adapter_model.safetensors"))) == 1

@@ -268,3 +268,18 @@ async def test_the_standin_keeps_the_stock_vllm_backends_contract(
         "Error generating stream: 'NoneType' object has no attribute 'lora_name'")
     assert "`exclude_input_in_output` = False is not allowed" in await asyncio.to_thread(
         refusal, lora, exclude=False, stream=True)
+
+
+async def test_a_restarted_sidecar_takes_over_the_loaded_engine_without_unloading_it(
+    triton_node: TritonNode, s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any
+) -> None:
+    files = s3.put_adapter("steady-v1", seed=14)
+    first = await node_sidecar(triton_reload=TritonReload.UNLOAD_FIRST)
+    await first.stop()
+    unloads = triton_node.server.log_text().count("successfully unloaded 'vllm_model'")
+
+    second = await node_sidecar(triton_reload=TritonReload.UNLOAD_FIRST)
+
+    assert second.catalog.status()["triton"]["loaded_generation"] == 1
+    assert triton_node.server.log_text().count("successfully unloaded 'vllm_model'") == unloads
+    assert await ask(grpc, "steady-v1", "x") == expected_text("steady-v1", files[WEIGHTS], "x")
