@@ -146,9 +146,17 @@ class StageTimeout(SidecarError):
 
 
 class CacheFull(SidecarError):
-    """The adapter cannot fit in the byte/count budget or on the disk."""
+    """The adapter cannot fit in the byte/count budget or on the disk. `retryable` is false
+    when waiting cannot help (larger than the budget, or the room is held by pins)."""
 
     code = "cache_full"
+
+    def __init__(self, message: str, *, adapter_id: str | None = None, retryable: bool = True):
+        super().__init__(message, adapter_id=adapter_id)
+        self.retryable = retryable
+
+    def extra(self) -> Mapping[str, Any]:
+        return {"retryable": self.retryable}
 
 
 class CatalogPending(SidecarError):

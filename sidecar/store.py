@@ -388,6 +388,9 @@ class AdapterStore:
         others = [r for r in self._reservations if r.adapter_id != adapter_id]
         reserved_bytes = sum(r.size_bytes for r in others)
         room_bytes = self.max_bytes - held_bytes - reserved_bytes
+        # Leases end and downloads finish; pins stay until an operator removes them.
+        pinned = [a for a in self._index.values() if a.adapter_id in self._pins]
+        pinned_bytes = sum(a.size_bytes for a in pinned)
         if size_bytes > room_bytes:
             raise CacheFull(
                 f"adapter {adapter_id} needs {size_bytes} bytes but only {max(room_bytes, 0)} "
@@ -395,12 +398,14 @@ class AdapterStore:
                 f"held by {len(held)} pinned or leased adapters, {reserved_bytes} by downloads "
                 "in progress)",
                 adapter_id=adapter_id,
+                retryable=size_bytes <= self.max_bytes - pinned_bytes,
             )
         if len(held) + len(others) + 1 > self.max_adapters:
             raise CacheFull(
                 f"adapter {adapter_id} cannot fit: the budget is {self.max_adapters} adapters "
                 f"and {len(held)} are pinned or leased, {len(others)} more are downloading",
                 adapter_id=adapter_id,
+                retryable=len(pinned) < self.max_adapters,
             )
         self._make_disk_room(adapter_id, size_bytes + reserved_bytes)
         reservation = Reservation(adapter_id, size_bytes)
@@ -434,6 +439,7 @@ class AdapterStore:
                 f"floor, and evicting every unpinned, unleased adapter would free only {freed} "
                 "more; nothing was evicted",
                 adapter_id=adapter_id,
+                retryable=needed_bytes <= shutil.disk_usage(self.root).total - self.min_free_bytes,
             )
         for victim in victims:
             self._evict_now(victim, EvictReason.LRU)

@@ -75,6 +75,7 @@ async def test_leased_adapter_is_not_evicted_and_a_stage_that_cannot_fit_is_507(
     status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "b"})
     assert status == 507
     assert body["error"] == "cache_full"
+    assert body["retryable"] is True  # the lease will end
     assert cached_ids(tmp_path) == {"a"}
     assert list((tmp_path / "cache" / ".staging").iterdir()) == []
 
@@ -201,6 +202,7 @@ async def test_pin_and_unpin_through_the_api(
     assert body["pinned"] is True
     status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "b"})
     assert status == 507  # the only slot is pinned
+    assert body["retryable"] is False  # waiting cannot help while the pin stands
 
     status, body = await call(http, "POST", f"{sidecar.url}/unpin", {"adapter_id": "a"})
     assert status == 200
