@@ -148,9 +148,7 @@ class Catalog:
         self._listed_at: float | None = None  # unix
         self._listed_mono: float | None = None
         self._list_error: str | None = None
-        # Set when this process's first render found multi_lora.json already current: Triton
-        # may serve it already, and an unload-first reload would restart the engine for nothing.
-        self._file_current_at_start = False
+        self._confirmed_once = False  # Triton has loaded (or we took over) a catalog of ours
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()  # one listing or reload at a time
 
@@ -313,10 +311,7 @@ class Catalog:
             self._metrics.triton_reloads.labels(outcome="error").inc()
             log.warning("catalog: reload of %s failed: %s", model, self._last_reload_error)
         else:
-            self._loaded = target
-            self._last_reload_failed = False
-            self._last_reload_error = None
-            self._last_reload_at = time.time()
+            self._confirmed(target)
             self._metrics.triton_reloads.labels(outcome="ok").inc()
             log.info("catalog: %s serves generation %d (reload took %.1fs)",
                      model, target.number, time.monotonic() - started)
@@ -324,30 +319,36 @@ class Catalog:
             self._reloading = False
 
     async def _adopt_loaded(self, target: Generation) -> bool:
-        """At start, take over what Triton already serves instead of reloading it.
+        """Until this process has seen Triton load a catalog, take over a model Triton already
+        serves instead of unloading it (a sidecar restart; compose, where Triton loads the
+        model itself once the sidecar has rendered the catalog).
 
-        When the catalog file was already current and the model is ready, a plain load is a
-        no-op in Triton (nothing in the model folder changed since it loaded), so it confirms
-        the catalog without restarting the engine. If the file did change under a loaded
-        model, the load reloads it; if that cannot fit on the GPU it fails and the
-        configured mode takes over on the next attempt.
+        A plain load is a no-op in Triton when nothing in the model folder changed since it
+        loaded, so it confirms the catalog without restarting the engine. If the catalog did
+        change, the plain load reloads in place; where two engines do not fit that load fails,
+        the old engine stays, and the configured mode takes over at once.
         """
-        if self._control is None or self._last_reload_started is not None:
+        if self._control is None or self._confirmed_once:
             return False
-        if not self._file_current_at_start or not await self._control.is_ready(
-            self._settings.triton_model
-        ):
+        if not await self._control.is_ready(self._settings.triton_model):
             return False
         try:
             await self._control.load(self._settings.triton_model)
         except ReloadFailed as exc:
-            log.info("catalog: could not confirm the loaded catalog (%s); reloading", exc)
+            log.info("catalog: could not take over the loaded %s (%s); reloading",
+                     self._settings.triton_model, exc)
             return False
-        self._loaded = target
-        self._last_reload_at = time.time()
-        log.info("catalog: %s already serves generation %d; no reload needed",
+        self._confirmed(target)
+        log.info("catalog: %s serves generation %d; taken over without a reload",
                  self._settings.triton_model, target.number)
         return True
+
+    def _confirmed(self, target: Generation) -> None:
+        self._loaded = target
+        self._confirmed_once = True
+        self._last_reload_failed = False
+        self._last_reload_error = None
+        self._last_reload_at = time.time()
 
     async def _notice_lost_model(self) -> None:
         """A Triton restarted without the vLLM model (or that unloaded it) needs a load."""
@@ -394,8 +395,6 @@ class Catalog:
         }
         text = json.dumps(catalog, indent=2) + "\n"
         written = await asyncio.to_thread(_write_if_changed, self.path, text)
-        if self._rendered is None:
-            self._file_current_at_start = not written
         number = self._rendered.number + 1 if self._rendered else 1
         self._rendered = Generation(number, adapter_ids, time.time())
         self._metrics.catalog_adapters.set(len(adapter_ids))

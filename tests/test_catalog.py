@@ -368,11 +368,12 @@ async def test_a_changed_catalog_at_start_is_reloaded_in_the_configured_mode(
     await world.catalog(triton_reload=TritonReload.UNLOAD_FIRST).sync()
     world.add_adapter("a2")  # arrived while the sidecar was down
     world.control.calls.clear()
+    world.control.failures = 1  # the in-place reload needs a second engine: out of memory
 
     restarted = world.catalog(triton_reload=TritonReload.UNLOAD_FIRST)
     await restarted.sync()
 
-    assert world.control.calls == ["unload vllm_model", "load vllm_model"]
+    assert world.control.calls == ["load vllm_model", "unload vllm_model", "load vllm_model"]
     restarted.check_servable("a2")
 
 
@@ -387,4 +388,22 @@ async def test_a_triton_that_lost_the_vllm_model_gets_it_loaded_again(world: Wor
     await catalog.sync()
 
     assert world.control.calls == ["load vllm_model", "load vllm_model"]
+    assert catalog.status()["triton"]["loaded_generation"] == 1
+
+
+async def test_a_triton_started_after_the_sidecar_is_taken_over_without_a_second_load(
+    world: World,
+) -> None:
+    world.add_adapter("a1")
+    world.control.failures = 1  # Triton is not up yet when the sidecar first syncs
+    catalog = world.catalog(triton_reload=TritonReload.UNLOAD_FIRST)
+    await catalog.sync()
+    assert catalog.status()["triton"]["loaded_generation"] is None
+
+    world.control.ready = True  # Triton started and loaded vllm_model with our catalog
+    world.control.calls.clear()
+    world.clock.now_s += RETRY_AFTER_FAILURE_S
+    await catalog.sync()
+
+    assert world.control.calls == ["load vllm_model"]  # a no-op load, no unload
     assert catalog.status()["triton"]["loaded_generation"] == 1
