@@ -172,7 +172,6 @@ def _stage_timeout(services: Services, body: Mapping[str, Any]) -> float:
 
 def adapter_view(services: Services, adapter: CachedAdapter) -> dict[str, Any]:
     store = services.store
-    leases = store.leases_of(adapter.adapter_id)
     return {
         "adapter_id": adapter.adapter_id,
         "path": str(services.settings.triton_root / "adapters" / adapter.adapter_id),
@@ -181,7 +180,7 @@ def adapter_view(services: Services, adapter: CachedAdapter) -> dict[str, Any]:
         "staged_at": iso_utc(adapter.record.staged_at),
         "last_used": iso_utc(adapter.last_used),
         "pinned": adapter.pinned,
-        "leases": len(leases),
+        "leases": store.lease_count(adapter.adapter_id),
         "source": adapter.record.source,
         "files": {name: f.size_bytes for name, f in sorted(adapter.record.files.items())},
     }

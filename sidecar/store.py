@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 RECORD_NAME = ".sidecar.json"
 RECORD_MAX_BYTES = 1024 * 1024
 RECORD_FORMAT = 1
+EXPIRY_LOG_LINES = 20  # per sweep; a crashed router can leave thousands to expire at once
 
 
 class EvictReason(Enum):
@@ -274,9 +275,6 @@ class AdapterStore:
     def path_of(self, adapter_id: str) -> Path:
         return self.adapters_dir / adapter_id
 
-    def leases_of(self, adapter_id: str) -> list[Lease]:
-        return [self._leases[i] for i in self._leases_by_adapter.get(adapter_id, ())]
-
     def is_pinned(self, adapter_id: str) -> bool:
         return adapter_id in self._pins
 
@@ -320,19 +318,36 @@ class AdapterStore:
         return lease
 
     def expire_leases(self) -> list[Lease]:
+        """Drop leases past their expiry. Every lease gets the same TTL, so `_leases` (in
+        insertion order) is in expiry order: the sweep stops at the first live one."""
         now = self._clock()
-        expired = [lease for lease in self._leases.values() if lease.expires_at <= now]
+        expired = []
+        for lease in self._leases.values():
+            if lease.expires_at > now:
+                break
+            expired.append(lease)
         for lease in expired:
             del self._leases[lease.lease_id]
             self._drop_lease_ref(lease)
-            self._metrics.leases_expired.inc()
+        if expired:
+            self._metrics.leases_expired.inc(len(expired))
+        for lease in expired[:EXPIRY_LOG_LINES]:
             log.info("lease expired lease_id=%s adapter_id=%s", lease.lease_id, lease.adapter_id,
                      extra=fields(event="lease_expired", adapter_id=lease.adapter_id,
                                   lease_id=lease.lease_id))
+        if len(expired) > EXPIRY_LOG_LINES:
+            log.info("%d more leases expired on %d adapters", len(expired) - EXPIRY_LOG_LINES,
+                     len({lease.adapter_id for lease in expired[EXPIRY_LOG_LINES:]}),
+                     extra=fields(event="lease_expired",
+                                  count=len(expired) - EXPIRY_LOG_LINES))
         return expired
 
     def next_lease_expiry(self) -> float | None:
-        return min((lease.expires_at for lease in self._leases.values()), default=None)
+        first = next(iter(self._leases.values()), None)
+        return None if first is None else first.expires_at
+
+    def lease_count(self, adapter_id: str) -> int:
+        return len(self._leases_by_adapter.get(adapter_id, ()))
 
     def _drop_lease_ref(self, lease: Lease) -> None:
         ids = self._leases_by_adapter.get(lease.adapter_id)

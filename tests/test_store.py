@@ -1,0 +1,48 @@
+"""The store on its own: lease expiry in the order leases were granted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from sidecar.metrics import Metrics
+from sidecar.store import AdapterRecord, AdapterStore, FileRecord
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def store_with_adapter(tmp_path: Path, clock: Clock) -> AdapterStore:
+    store = AdapterStore(tmp_path, max_bytes=10**9, max_adapters=10, min_free_bytes=0,
+                         lease_ttl_s=60.0, metrics=Metrics(CollectorRegistry(), process=False),
+                         clock=clock)
+    store.install([AdapterRecord("a", "test", clock(), {"w": FileRecord(10, "e", "0" * 64)})])
+    return store
+
+
+def test_expiry_drops_exactly_the_leases_past_their_ttl(tmp_path: Path) -> None:
+    clock = Clock()
+    store = store_with_adapter(tmp_path, clock)
+    early = [store.lease("a") for _ in range(3)]
+    clock.now_s += 30
+    late = [store.lease("a") for _ in range(2)]
+    store.release(early[1].lease_id)
+
+    clock.now_s += 30  # the early ones are exactly at their expiry
+    expired = store.expire_leases()
+
+    assert sorted(lease.lease_id for lease in expired) == sorted(
+        [early[0].lease_id, early[2].lease_id])
+    assert store.lease_count("a") == 2
+    assert store.next_lease_expiry() == late[0].expires_at
+    assert store.is_protected("a")
+    clock.now_s += 30
+    assert len(store.expire_leases()) == 2
+    assert not store.is_protected("a")
+    assert store.next_lease_expiry() is None
