@@ -139,8 +139,14 @@ def alternatives(ctx: Context, server: S3Server) -> list[Stager]:
 
 
 def start_sidecar(ctx: Context, server: S3Server) -> SidecarStager:
-    return SidecarStager(ctx.sup, REPO / ".venv" / "bin" / "lora-sidecar", server,
-                         ctx.dest / "sidecar-cache", ctx.env, tuple(ctx.args.sidecar_arg))
+    env = dict(ctx.env)
+    if ctx.args.sidecar_src is None:
+        command = [str(REPO / ".venv" / "bin" / "lora-sidecar")]
+    else:  # another checkout's package, run with this venv's dependencies
+        command = [sys.executable, "-P", "-m", "sidecar"]  # -P: not this folder's copy
+        env["PYTHONPATH"] = str(ctx.args.sidecar_src.resolve())
+    return SidecarStager(ctx.sup, command, server, ctx.dest / "sidecar-cache", env,
+                         tuple(ctx.args.sidecar_arg))
 
 
 def cold_phase(
@@ -198,17 +204,17 @@ def hit_phase(ctx: Context, sidecar: SidecarStager, adapter: Adapter, results: R
         wait_for_port("127.0.0.1", port, bare, "the bare handler")
         hitpath.pin_to_server_cpu(bare.pid)
         hitpath.pin_to_server_cpu(sidecar.pid)
-        targets = {"sidecar": f"http://127.0.0.1:{sidecar.port}",
-                   "bare aiohttp": f"http://127.0.0.1:{port}"}
+        targets = {"sidecar": (f"http://127.0.0.1:{sidecar.port}", sidecar.pid),
+                   "bare aiohttp": (f"http://127.0.0.1:{port}", bare.pid)}
         runs: dict[tuple[str, int], list[hitpath.LoadResult]] = {}
         for repeat in range(ctx.args.hit_runs):
             for clients in HIT_CLIENTS:
                 order = list(targets.items())
                 if (repeat + clients) % 2:  # neither server always goes first
                     order.reverse()
-                for name, url in order:
-                    result = hitpath.run_wrk(ctx.tools.wrk, url, adapter.adapter_id, clients,
-                                             ctx.args.hit_seconds)
+                for name, (url, pid) in order:
+                    result = hitpath.run_wrk(ctx.tools.wrk, url, pid, adapter.adapter_id,
+                                             clients, ctx.args.hit_seconds)
                     runs.setdefault((name, clients), []).append(result)
                     log(f"hit: {name} x{clients}: {result}")
         for (name, _), cell in runs.items():
@@ -260,8 +266,9 @@ def render(results: Results, adapters: list[Adapter]) -> str:
         out.append("\n### Hit path: POST /stage on a cached adapter, keep-alive clients "
                    "(median of the runs)")
         out.append("\n| clients | sidecar req/s | bare aiohttp req/s | sidecar / bare | "
-                   "sidecar p50 ms | sidecar p99 ms | bare p50 ms | bare p99 ms |")
-        out.append("|---:|---:|---:|---:|---:|---:|---:|---:|")
+                   "sidecar p50 ms | sidecar p99 ms | bare p50 ms | bare p99 ms | "
+                   "sidecar CPU µs/req | bare CPU µs/req |")
+        out.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for side, bare in zip(results.hit["sidecar"], results.hit["bare aiohttp"],
                               strict=True):
             out.append(
@@ -269,7 +276,8 @@ def render(results: Results, adapters: list[Adapter]) -> str:
                 f"{bare['requests_per_s']:.0f} | "
                 f"{side['requests_per_s'] / bare['requests_per_s']:.0%} | "
                 f"{side['p50_ms']:.2f} | {side['p99_ms']:.2f} | {bare['p50_ms']:.2f} | "
-                f"{bare['p99_ms']:.2f} |")
+                f"{bare['p99_ms']:.2f} | {side['cpu_us_per_request']:.0f} | "
+                f"{bare['cpu_us_per_request']:.0f} |")
     if results.memory:
         m = results.memory
         out.append(f"\n### Memory\n\nPeak RSS (VmHWM) of a fresh sidecar staging the "
@@ -318,6 +326,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "writes slower than the loopback network)")
     parser.add_argument("--no-sidecar", action="store_true",
                         help="only the alternatives (and no memory or hit-path phase)")
+    parser.add_argument("--sidecar-src", type=Path, default=None,
+                        help="measure the sidecar package of another checkout (e.g. a git "
+                        "worktree holding a change), run with this venv's dependencies")
     parser.add_argument("--sidecar-arg", action="append", default=[],
                         help="extra `lora-sidecar serve` argument (repeatable), for tuning")
     args = parser.parse_args(argv)

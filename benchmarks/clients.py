@@ -138,7 +138,7 @@ class SidecarStager:
     name = "sidecar"
 
     def __init__(
-        self, sup: Supervisor, lora_sidecar: Path, server: S3Server, cache_root: Path,
+        self, sup: Supervisor, command: list[str], server: S3Server, cache_root: Path,
         env: Mapping[str, str], extra_args: tuple[str, ...] = (),
     ) -> None:
         self._sup = sup
@@ -147,7 +147,7 @@ class SidecarStager:
         shutil.rmtree(cache_root, ignore_errors=True)
         cache_root.mkdir(parents=True)
         argv = [
-            str(lora_sidecar), "serve",
+            *command, "serve",
             "--registry", f"s3://{BUCKET}/{PREFIX}",
             "--s3-endpoint-url", server.endpoint_url,
             "--s3-region", S3_REGION,
