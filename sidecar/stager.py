@@ -81,6 +81,10 @@ class Stager:
         self._on_source_result = on_source_result
         self._inflight: dict[str, asyncio.Task[None]] = {}
         self._refused: dict[str, tuple[float, InvalidAdapter]] = {}
+        # Children bound once: a labels() lookup per request shows on the hit path.
+        results = ("hit", "miss", "error")
+        self._requests = {r: metrics.stage_requests.labels(result=r) for r in results}
+        self._durations = {r: metrics.stage_duration.labels(result=r) for r in results}
 
     @property
     def inflight(self) -> list[str]:
@@ -109,8 +113,8 @@ class Stager:
             result = "error"
             raise
         finally:
-            self._metrics.stage_requests.labels(result=result).inc()
-            self._metrics.stage_duration.labels(result=result).observe(
+            self._requests[result].inc()
+            self._durations[result].observe(
                 time.perf_counter() - started
             )
 

@@ -41,9 +41,9 @@ class EvictReason(Enum):
 
 
 def iso_utc(unix_s: float) -> str:
-    return datetime.fromtimestamp(unix_s, UTC).isoformat(timespec="milliseconds").replace(
-        "+00:00", "Z"
-    )
+    """`2026-12-02T14:28:52.178Z`"""
+    millis = int(unix_s * 1000) % 1000
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(unix_s)) + f".{millis:03d}Z"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,10 +61,10 @@ class AdapterRecord:
     source: str
     staged_at: float
     files: Mapping[str, FileRecord]
+    size_bytes: int = field(init=False, compare=False)  # summed once: read on every hit
 
-    @property
-    def size_bytes(self) -> int:
-        return sum(f.size_bytes for f in self.files.values())
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size_bytes", sum(f.size_bytes for f in self.files.values()))
 
     def to_json(self) -> dict[str, Any]:
         return {
