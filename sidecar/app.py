@@ -77,6 +77,7 @@ class Sidecar:
             part_size_bytes=settings.part_size_bytes,
             attempts=settings.s3_max_attempts,
             limiter=asyncio.Semaphore(settings.download_concurrency),
+            concurrency=settings.download_concurrency,
         )
         self.source: AdapterSource
         if settings.is_s3:

@@ -28,6 +28,7 @@ SidecarErrors for final ones."""
 WRITE_CHUNK_BYTES = 1024 * 1024  # bytes gathered before one pwrite: few thread hops, small RAM
 MAX_WRITE_BUFFERS = 256  # chunks in one pwritev, well under IOV_MAX (1024)
 HASH_CHUNK_BYTES = 4 * 1024 * 1024
+MIN_SPLIT_PART_BYTES = 1024 * 1024  # no finer ranges than this when spreading a file out
 BACKOFF_BASE_S = 0.2
 BACKOFF_CAP_S = 5.0
 
@@ -37,6 +38,25 @@ class TransferPolicy:
     part_size_bytes: int
     attempts: int
     limiter: asyncio.Semaphore  # shared by every download of the process
+    concurrency: int = 1  # the limiter's size: how many parts can stream at once
+
+
+def part_starts(size_bytes: int, policy: TransferPolicy) -> list[int]:
+    """Where each ranged GET of an object starts.
+
+    An object up to one part size is one GET. A larger one is cut into equal parts of at most
+    the part size, as many as fill every round of `concurrency` parallel GETs (never below
+    MIN_SPLIT_PART_BYTES): 40 parts would leave the third of three rounds half idle, so 48
+    are fetched; a 27 MB file becomes 16 parts of 1.7 MB rather than 4 of 8 MiB, so a link
+    that limits each connection carries it four times as fast.
+    """
+    if size_bytes <= policy.part_size_bytes:
+        return [0]
+    count = -(-size_bytes // policy.part_size_bytes)
+    rounds = -(-count // policy.concurrency)
+    count = max(count, min(rounds * policy.concurrency, size_bytes // MIN_SPLIT_PART_BYTES))
+    part = -(-size_bytes // count)
+    return list(range(0, size_bytes, part))
 
 
 def backoff_s(attempt: int) -> float:
@@ -47,9 +67,9 @@ def backoff_s(attempt: int) -> float:
 class _Progress:
     """Which bytes are on disk: per part, how far its contiguous prefix reaches."""
 
-    def __init__(self, size_bytes: int, part_size_bytes: int) -> None:
-        self.starts = list(range(0, size_bytes, part_size_bytes)) or [0]
-        self.ends = [min(s + part_size_bytes, size_bytes) for s in self.starts]
+    def __init__(self, size_bytes: int, starts: list[int]) -> None:
+        self.starts = starts
+        self.ends = [*starts[1:], size_bytes]
         self.done_upto = list(self.starts)
         self.changed = asyncio.Event()
 
@@ -79,7 +99,7 @@ async def download(
     """
     fd = await asyncio.to_thread(_open_presized, dest, size_bytes)
     try:
-        progress = _Progress(size_bytes, policy.part_size_bytes)
+        progress = _Progress(size_bytes, part_starts(size_bytes, policy))
         hasher = asyncio.create_task(_hash_in_order(dest, size_bytes, progress))
         parts = [
             asyncio.create_task(_fetch_part(fetch_range, fd, i, progress, policy, on_bytes))

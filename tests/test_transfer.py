@@ -1,12 +1,15 @@
-"""transfer.py's positional writes: every byte lands at its offset even when the kernel takes
-fewer bytes than offered (pwritev may write short; regular files rarely do, so it is forced)."""
+"""transfer.py's pure parts: how an object is cut into ranged GETs, and positional writes that
+land every byte at its offset even when the kernel takes fewer bytes than offered."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sidecar import transfer
 
@@ -41,3 +44,37 @@ def test_pwrite_all_finishes_after_short_writes(
     assert written == 26
     assert dest.read_bytes() == b"\0" * 4 + b"abcdefghijklmnopqrstuvwxyz"
     assert len(calls) == 6
+
+
+def _part_sizes(size_bytes: int, concurrency: int) -> list[int]:
+    policy = transfer.TransferPolicy(8 << 20, 1, asyncio.Semaphore(1), concurrency)
+    starts = transfer.part_starts(size_bytes, policy)
+    return [end - start for start, end in zip(starts, [*starts[1:], size_bytes], strict=True)]
+
+
+def test_an_object_of_one_part_size_or_less_is_one_get() -> None:
+    assert _part_sizes(0, 16) == [0]
+    assert _part_sizes(1000, 16) == [1000]
+    assert _part_sizes(8 << 20, 16) == [8 << 20]
+
+
+def test_a_larger_object_fills_every_round_of_parallel_gets() -> None:
+    # 27 MB: every one of 16 connections carries a share, not 4 of them 8 MiB each.
+    assert len(_part_sizes(27_000_000, 16)) == 16
+    # 336 MB is 40 parts of 8 MiB: three rounds of 16, so 48 equal parts fill the third.
+    sizes = _part_sizes(336_000_000, 16)
+    assert len(sizes) == 48 and max(sizes) - min(sizes) <= 1
+    # Just over one part size: no more parts than whole MiBs, so ranges stay near 1 MiB.
+    assert len(_part_sizes((8 << 20) + 1, 16)) == (8 << 20) // transfer.MIN_SPLIT_PART_BYTES
+    # One GET at a time: as few parts as the part size allows, of equal size.
+    sizes = _part_sizes(20 << 20, 1)
+    assert len(sizes) == 3 and max(sizes) - min(sizes) <= 1
+
+
+@given(size_bytes=st.integers(0, 10**10), concurrency=st.integers(1, 64))
+def test_parts_cover_the_object_once_and_never_exceed_the_part_size(
+    size_bytes: int, concurrency: int
+) -> None:
+    sizes = _part_sizes(size_bytes, concurrency)
+    assert sum(sizes) == size_bytes
+    assert all(0 < s <= 8 << 20 for s in sizes) or sizes == [0]
