@@ -165,8 +165,9 @@ def cold_phase(
         sidecar.close()
 
 
-def read_status_kib(pid: int, field_name: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+def read_kib(path: Path, field_name: str) -> int:
+    """A `Name:  123 kB` line of /proc/<pid>/status or /proc/meminfo."""
+    for line in path.read_text().splitlines():
         if line.startswith(field_name + ":"):
             return int(line.split()[1])
     raise KeyError(field_name)
@@ -177,12 +178,13 @@ def memory_and_hit_phase(ctx: Context, server: S3Server, results: Results) -> No
     biggest = ctx.adapters[-1]
     sidecar = start_sidecar(ctx, server)
     try:
-        idle_kib = read_status_kib(sidecar.pid, "VmRSS")
+        status = Path(f"/proc/{sidecar.pid}/status")
+        idle_kib = read_kib(status, "VmRSS")
         sidecar.fetch(biggest.adapter_id)
         results.memory = {
             "adapter_mb": biggest.size_bytes / 1e6,
             "idle_rss_mb": idle_kib * 1024 / 1e6,
-            "peak_rss_mb": read_status_kib(sidecar.pid, "VmHWM") * 1024 / 1e6,
+            "peak_rss_mb": read_kib(status, "VmHWM") * 1024 / 1e6,
         }
         log(f"memory: {results.memory}")
         if "hit" in ctx.args.phases:
@@ -230,17 +232,10 @@ def machine_facts() -> dict[str, Any]:
     cpu = next((line.split(":", 1)[1].strip()
                 for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown")
-    mem_kib = read_status_kib_meminfo()
+    mem_kib = read_kib(Path("/proc/meminfo"), "MemTotal")
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(mem_kib * 1024 / 1e9, 1),
             "kernel": os.uname().release, "python": sys.version.split()[0],
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-
-
-def read_status_kib_meminfo() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1])
-    return 0
 
 
 def render(results: Results, adapters: list[Adapter]) -> str:

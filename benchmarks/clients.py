@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import resource
 import shutil
 import subprocess
@@ -19,6 +18,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
 from .adapters import BUCKET, PREFIX
+from .hitpath import process_cpu_s
 from .servers import S3_REGION, S3Server, Supervisor, free_port, wait_for_port
 
 MIB = 1024 * 1024
@@ -215,8 +215,7 @@ class SidecarStager:
             time.sleep(0.05)
 
     def cpu_s(self) -> float:
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return process_cpu_s(self.pid)
 
     def close(self) -> None:
         self._conn.close()
