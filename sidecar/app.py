@@ -25,7 +25,7 @@ from .metrics import Metrics
 from .source import AdapterSource, S3Source
 from .stager import Stager
 from .store import AdapterRecord, AdapterStore, remove_tree
-from .transfer import TransferPolicy
+from .transfer import TransferPolicy, transfer_executor
 from .validate import Rules, validate_adapter
 from .watcher import Watcher
 
@@ -78,7 +78,9 @@ class Sidecar:
             attempts=settings.s3_max_attempts,
             limiter=asyncio.Semaphore(settings.download_concurrency),
             concurrency=settings.download_concurrency,
+            executor=transfer_executor(settings.download_concurrency),
         )
+        self._transfer_executor = policy.executor
         self.source: AdapterSource
         if settings.is_s3:
             self.source = S3Source(settings, policy, self._count_registry_error)
@@ -151,6 +153,9 @@ class Sidecar:
         await self.stager.close()
         await self.catalog.close()
         await self.source.close()
+        if self._transfer_executor is not None:
+            # Every download has waited for its threads; none is left running here.
+            self._transfer_executor.shutdown(wait=False, cancel_futures=True)
         log.info("lora-sidecar stopped")
 
     @property
@@ -181,7 +186,7 @@ class Sidecar:
                 return
 
         def check(folder: Path, record: AdapterRecord) -> list[str]:
-            digests = {name: f.sha256 for name, f in record.files.items()}
+            digests = {name: f.sha256 for name, f in record.files.items() if f.sha256}
             return [f"{p.code} {p.file}: {p.message}"
                     for p in validate_adapter(folder, self.rules, sha256=digests)]
 

@@ -10,16 +10,16 @@ import asyncio
 import logging
 import os
 import stat
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from pathlib import Path
 
+from .checksum import crc32_hex
 from .config import is_valid_adapter_id
 from .errors import AdapterNotFound, SourceChanged, SourceUnavailable
 from .source import FetchedFile, Listing, RemoteFile, is_safe_file_name
 from .transfer import TransferPolicy, download
 
 log = logging.getLogger(__name__)
-READ_CHUNK_BYTES = 1024 * 1024
 
 
 class LocalSource:
@@ -107,18 +107,35 @@ class LocalSource:
                     cause="object_changed",
                 )
 
-            async def fetch_range(start: int, end: int) -> AsyncGenerator[bytes, None]:
-                offset = start
-                while offset < end:
-                    length = min(READ_CHUNK_BYTES, end - offset)
-                    chunk = await asyncio.to_thread(os.pread, fd, length, offset)
-                    if not chunk:
-                        raise SourceChanged(f"{file.locator} shrank while it was copied",
-                                            adapter_id=adapter_id, cause="object_changed")
-                    offset += len(chunk)
-                    yield chunk
+            def open_range(start: int, end: int) -> _FileRange:
+                return _FileRange(fd, start, end, file.locator, adapter_id)
 
-            digest = await download(fetch_range, dest, file.size_bytes, self._policy, on_bytes)
+            digests = await download(open_range, dest, file.size_bytes, self._policy, on_bytes)
         finally:
             os.close(fd)
-        return FetchedFile(digest, None)
+        return FetchedFile(crc32_hex(digests.crc32), None)
+
+
+class _FileRange:
+    """A range of a registry file, read with pread (position-free, so ranges share the fd)."""
+
+    def __init__(self, fd: int, start: int, end: int, locator: str, adapter_id: str) -> None:
+        self._fd, self._offset, self._end = fd, start, end
+        self._locator, self._adapter_id = locator, adapter_id
+
+    def readinto(self, buffer: memoryview) -> int:
+        want = min(len(buffer), self._end - self._offset)
+        if want == 0:
+            return 0
+        got = os.preadv(self._fd, [buffer[:want]], self._offset)
+        if got == 0:
+            raise SourceChanged(f"{self._locator} shrank while it was copied",
+                                adapter_id=self._adapter_id, cause="object_changed")
+        self._offset += got
+        return got
+
+    def close(self) -> None:
+        return None
+
+    def abort(self) -> None:
+        return None

@@ -5,11 +5,10 @@ implementation (the only module that imports aiobotocore; botocore errors stop h
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import posixpath
 import re
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 from botocore import exceptions as bce
 
+from .checksum import crc32_hex, s3_checksum_hex
 from .config import Settings, hide_password, is_valid_adapter_id
 from .errors import (
     AdapterNotFound,
@@ -28,9 +28,12 @@ from .errors import (
     SourceError,
     SourceUnavailable,
 )
+from .httpranges import ConnectionPool, RangeReader
 from .transfer import TransferPolicy, download
 
 log = logging.getLogger(__name__)
+
+PRESIGNED_URL_TTL_S = 3600  # longer than any one file's download
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +48,10 @@ class RemoteFile:
 
 @dataclass(frozen=True, slots=True)
 class FetchedFile:
-    sha256: str  # digest of the bytes written
-    registry_sha256: str | None  # the registry's own full-object SHA-256, when it keeps one
+    crc32: str  # of the bytes written, 8 hex digits
+    sha256: str | None  # of the bytes written, when the registry has a SHA-256 to check
+    registry_crc32: str | None = None  # the registry's own full-object checksums, if kept
+    registry_sha256: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +108,8 @@ class S3Source:
         self._on_error = on_error
         self._stack = AsyncExitStack()
         self._client: Any = None
+        self._pool = ConnectionPool(settings.s3_connect_timeout_s, settings.s3_read_timeout_s,
+                                    max_idle=settings.download_concurrency)
         attempts = settings.s3_max_attempts
         # One call, botocore's own retries included, never waits longer than this.
         self._call_timeout_s = (
@@ -118,8 +125,9 @@ class S3Source:
             # botocore's "max_attempts" counts retries (one more attempt than asked);
             # "total_max_attempts" counts attempts, as --s3-max-attempts does.
             retries={"total_max_attempts": self._settings.s3_max_attempts, "mode": "standard"},
-            max_pool_connections=self._settings.download_concurrency + 4,
+            max_pool_connections=8,  # listing, HEAD and signing only; bytes use self._pool
             response_checksum_validation="when_required",
+            signature_version="s3v4",  # presigned URLs too (botocore may default to v2)
         )
         self._client = await self._stack.enter_async_context(
             session.create_client(
@@ -132,6 +140,7 @@ class S3Source:
 
     async def close(self) -> None:
         await self._stack.aclose()
+        self._pool.close()
 
     async def probe(self) -> None:
         await self._call("probe", None, self._client.list_objects_v2,
@@ -189,56 +198,38 @@ class S3Source:
     async def fetch(
         self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None]
     ) -> FetchedFile:
-        checksum: list[str | None] = [None]
+        # One signature for every range of the file; the ranges themselves are plain HTTP.
+        url = await self._call("presign", adapter_id, self._client.generate_presigned_url,
+                               ClientMethod="get_object",
+                               Params={"Bucket": self.bucket, "Key": file.locator},
+                               ExpiresIn=PRESIGNED_URL_TTL_S)
+        reader = RangeReader(self._pool, url, file.etag, file.size_bytes,
+                             f"s3://{self.bucket}/{file.locator}", adapter_id,
+                             lambda: self._on_error("get"))
+        # The HEAD brings the registry's own checksums, if it keeps any, while the bytes flow;
+        # a SHA-256 is computed only when there is one to compare with (CRC-32 always is).
+        head_task = asyncio.create_task(self._call(
+            "head", adapter_id, self._client.head_object, Bucket=self.bucket, Key=file.locator,
+            IfMatch=file.etag, ChecksumMode="ENABLED"))
+        wants_sha256: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
 
-        async def fetch_range(start: int, end: int) -> AsyncGenerator[bytes, None]:
-            whole = start == 0 and end == file.size_bytes
-            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": file.locator,
-                                      "IfMatch": file.etag}
-            if whole:
-                kwargs["ChecksumMode"] = "ENABLED"
-            else:
-                kwargs["Range"] = f"bytes={start}-{end - 1}"
-            response = await self._call("get", adapter_id, self._client.get_object, **kwargs)
-            body = response["Body"]
-            async with body:
-                if int(response.get("ContentLength", -1)) != end - start:
-                    raise SourceChanged(
-                        f"{file.locator}: the registry answered {response.get('ContentLength')} "
-                        f"bytes for a range of {end - start}; the object changed",
-                        adapter_id=adapter_id, cause="size_changed",
-                    )
-                if whole:
-                    checksum[0] = _full_object_sha256(response)
-                while True:
-                    try:
-                        async with asyncio.timeout(self._settings.s3_read_timeout_s + 1):
-                            chunk = await body.read(256 * 1024)
-                    except (bce.BotoCoreError, TimeoutError, OSError,
-                            aiohttp.ClientPayloadError) as exc:
-                        # aiobotocore lets aiohttp's "payload not completed" (a body cut
-                        # short by a reset or an early close) through unwrapped.
-                        raise self._translate(exc, "get", adapter_id) from exc
-                    if not chunk:
-                        return
-                    yield chunk
+        def answer(head: asyncio.Task[Any]) -> None:
+            if not wants_sha256.done():  # a cancelled download cancelled its waiter already
+                wants_sha256.set_result(not head.cancelled() and head.exception() is None
+                                        and _checksum(head.result(), "SHA256") is not None)
 
-        needs_head = file.size_bytes > self._policy.part_size_bytes
-        head_task = (
-            asyncio.create_task(self._call("head", adapter_id, self._client.head_object,
-                                           Bucket=self.bucket, Key=file.locator,
-                                           IfMatch=file.etag, ChecksumMode="ENABLED"))
-            if needs_head else None
-        )
+        head_task.add_done_callback(answer)
         try:
-            digest = await download(fetch_range, dest, file.size_bytes, self._policy, on_bytes)
-            if head_task is not None:
-                checksum[0] = _full_object_sha256(await head_task)
+            digests = await download(reader.open, dest, file.size_bytes, self._policy, on_bytes,
+                                     sha256=wants_sha256)
+            head = await head_task
         finally:
-            if head_task is not None and not head_task.done():
+            if not head_task.done():
                 head_task.cancel()
                 await asyncio.gather(head_task, return_exceptions=True)
-        return FetchedFile(digest, checksum[0])
+        return FetchedFile(crc32_hex(digests.crc32), digests.sha256,
+                           registry_crc32=_checksum(head, "CRC32"),
+                           registry_sha256=_checksum(head, "SHA256"))
 
     async def _call(
         self, operation: str, adapter_id: str | None, method: Any, **kwargs: Any
@@ -307,13 +298,6 @@ class S3Source:
         return hide_password(self._settings.s3_endpoint_url or "AWS S3")
 
 
-def _full_object_sha256(response: dict[str, Any]) -> str | None:
-    """The registry's SHA-256 of the whole object, as hex; None for composite (multipart)
-    checksums, which are a hash of part hashes and cannot be compared with ours."""
-    value = response.get("ChecksumSHA256")
-    if not value or "-" in value or response.get("ChecksumType") == "COMPOSITE":
-        return None
-    try:
-        return base64.b64decode(value, validate=True).hex()
-    except ValueError:
-        return None
+def _checksum(response: dict[str, Any], algorithm: str) -> str | None:
+    """The registry's full-object checksum of one algorithm, as hex, if it keeps one."""
+    return s3_checksum_hex(response.get(f"Checksum{algorithm}"), response.get("ChecksumType"))

@@ -203,13 +203,11 @@ class Stager:
             staging = await asyncio.to_thread(self._store.new_staging_dir, adapter_id)
             fetched = await self._fetch_all(adapter_id, listing, staging)
             problems = [
-                Problem("checksum_mismatch", f.name,
-                        f"SHA-256 of the downloaded bytes is {got.sha256}, the registry "
-                        f"says {got.registry_sha256}")
-                for f, got in zip(listing.files, fetched, strict=True)
-                if got.registry_sha256 is not None and got.registry_sha256 != got.sha256
+                problem for f, got in zip(listing.files, fetched, strict=True)
+                for problem in _checksum_problems(f.name, got)
             ]
-            digests = {f.name: got.sha256 for f, got in zip(listing.files, fetched, strict=True)}
+            digests = {f.name: got.sha256 for f, got in zip(listing.files, fetched, strict=True)
+                       if got.sha256 is not None}
             problems += await asyncio.to_thread(
                 validate_adapter, staging, self._rules, sha256=digests
             )
@@ -220,8 +218,8 @@ class Stager:
                 source=self._source.description,
                 staged_at=time.time(),
                 files={
-                    f.name: FileRecord(f.size_bytes, f.etag, digests[f.name])
-                    for f in listing.files
+                    f.name: FileRecord(f.size_bytes, f.etag, got.crc32, got.sha256)
+                    for f, got in zip(listing.files, fetched, strict=True)
                 },
             )
             await asyncio.to_thread(_seal, staging, record)
@@ -294,6 +292,18 @@ class Stager:
             if isinstance(exc, SidecarError):
                 self._on_source_result(exc)
             raise
+
+
+def _checksum_problems(name: str, got: FetchedFile) -> list[Problem]:
+    """The downloaded bytes against the registry's own full-object checksums."""
+    pairs = (("CRC-32", got.crc32, got.registry_crc32),
+             ("SHA-256", got.sha256, got.registry_sha256))
+    return [
+        Problem("checksum_mismatch", name, f"{algorithm} of the downloaded bytes is {ours}, "
+                f"the registry says {theirs}")
+        for algorithm, ours, theirs in pairs
+        if theirs is not None and ours != theirs
+    ]
 
 
 def _remove_all(folders: list[Path]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import time
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 RECORD_NAME = ".sidecar.json"
 RECORD_MAX_BYTES = 1024 * 1024
 RECORD_FORMAT = 1
+_HEX8 = re.compile(r"[0-9a-f]{8}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 EXPIRY_LOG_LINES = 20  # per sweep; a crashed router can leave thousands to expire at once
 
 
@@ -50,7 +53,8 @@ def iso_utc(unix_s: float) -> str:
 class FileRecord:
     size_bytes: int
     etag: str
-    sha256: str
+    crc32: str  # 8 hex digits, computed while the bytes streamed
+    sha256: str | None = None  # when the registry gave one to check against
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +79,8 @@ class AdapterRecord:
             "staged_at": iso_utc(self.staged_at),
             "staged_at_unix": self.staged_at,
             "files": {
-                name: {"size_bytes": f.size_bytes, "etag": f.etag, "sha256": f.sha256}
+                name: {"size_bytes": f.size_bytes, "etag": f.etag, "crc32": f.crc32,
+                       "sha256": f.sha256}
                 for name, f in sorted(self.files.items())
             },
         }
@@ -92,11 +97,13 @@ class AdapterRecord:
         for name, entry in files_raw.items():
             if not isinstance(entry, dict):
                 raise ValueError(f"bad entry for {name!r}")
-            size, etag, sha = entry.get("size_bytes"), entry.get("etag"), entry.get("sha256")
+            size, etag = entry.get("size_bytes"), entry.get("etag")
+            crc, sha = entry.get("crc32"), entry.get("sha256")
             if not (isinstance(size, int) and size >= 0 and isinstance(etag, str)
-                    and isinstance(sha, str) and len(sha) == 64):
+                    and isinstance(crc, str) and _HEX8.fullmatch(crc)
+                    and (sha is None or (isinstance(sha, str) and _HEX64.fullmatch(sha)))):
                 raise ValueError(f"bad entry for {name!r}")
-            files[name] = FileRecord(size, etag, sha)
+            files[name] = FileRecord(size, etag, crc, sha)
         adapter_id, source, staged_at = (
             data.get("adapter_id"), data.get("source"), data.get("staged_at_unix"),
         )

@@ -1,32 +1,57 @@
 """Download one object into a pre-sized file: parallel ranged parts written with positional
-writes, SHA-256 computed in order while later parts still stream, retries per part.
+writes, a CRC-32 of each part computed from the bytes as they land (combined into the file's),
+SHA-256 in order alongside when the registry has one to compare, retries per part.
 
-Knows nothing of S3: the source hands in `fetch_range`, an async iterator of body chunks.
+Knows nothing of S3: the source hands in `open_range`, which opens one ranged read. The bytes
+move in worker threads (socket -> buffer -> file, the GIL released in each system call), so
+the event loop only schedules them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import errno
 import hashlib
 import logging
 import os
 import random
-from collections.abc import AsyncGenerator, Callable
+import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
-from .errors import SourceUnavailable
+from .checksum import crc32_combine
+from .errors import SidecarError, SourceUnavailable
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
-FetchRange = Callable[[int, int], AsyncGenerator[bytes, None]]
-"""fetch_range(start, end) yields the object's bytes [start, end) in chunks; it raises
-SourceUnavailable for transient faults (retried here unless marked not retryable) and other
-SidecarErrors for final ones."""
 
-WRITE_CHUNK_BYTES = 1024 * 1024  # bytes gathered before one pwrite: few thread hops, small RAM
-MAX_WRITE_BUFFERS = 256  # chunks in one pwritev, well under IOV_MAX (1024)
+class RangeStream(Protocol):
+    """The body of one ranged read, read from one worker thread at a time (blocking)."""
+
+    def readinto(self, buffer: memoryview) -> int:
+        """Bytes read into `buffer`; 0 once the body has ended. Raises SourceUnavailable for
+        a transient fault."""
+        ...
+
+    def close(self) -> None:
+        """The body was read to its end: release (or reuse) the connection."""
+        ...
+
+    def abort(self) -> None:
+        """Give up part-way, from any thread: a read blocked in another thread ends."""
+        ...
+
+
+OpenRange = Callable[[int, int], RangeStream]
+"""open_range(start, end) starts reading the object's bytes [start, end); blocking, run in a
+worker thread. Raises SourceUnavailable for transient faults (retried here unless marked not
+retryable) and other SidecarErrors for final ones."""
+
+CHUNK_BYTES = 1024 * 1024  # read into one buffer, then one pwrite: few system calls, small RAM
 HASH_CHUNK_BYTES = 4 * 1024 * 1024
 MIN_SPLIT_PART_BYTES = 1024 * 1024  # no finer ranges than this when spreading a file out
 BACKOFF_BASE_S = 0.2
@@ -39,6 +64,23 @@ class TransferPolicy:
     attempts: int
     limiter: asyncio.Semaphore  # shared by every download of the process
     concurrency: int = 1  # the limiter's size: how many parts can stream at once
+    # Threads that block on the network: the loop's default pool (a few threads on a small
+    # machine) would cap parallel parts at its size and starve every other to_thread call.
+    executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def transfer_executor(concurrency: int) -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(concurrency, thread_name_prefix="transfer")
+
+
+_fallback: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _shared_executor() -> concurrent.futures.ThreadPoolExecutor:
+    """For a policy built without an executor (tools, tests)."""
+    if not _fallback:
+        _fallback.append(transfer_executor(16))
+    return _fallback[0]
 
 
 def part_starts(size_bytes: int, policy: TransferPolicy) -> list[int]:
@@ -71,6 +113,7 @@ class _Progress:
         self.starts = starts
         self.ends = [*starts[1:], size_bytes]
         self.done_upto = list(self.starts)
+        self.crc32 = [0] * len(starts)  # of each part's bytes below done_upto
         self.changed = asyncio.Event()
 
     def advance(self, part: int, offset: int) -> None:
@@ -85,24 +128,56 @@ class _Progress:
         return self.ends[-1]
 
 
+class _Threads:
+    """Worker-thread jobs of one download. A thread cannot be cancelled, so the download
+    waits for every job it started before it closes the file they write to."""
+
+    def __init__(self, executor: concurrent.futures.ThreadPoolExecutor | None) -> None:
+        self._executor = executor or _shared_executor()
+        self._running: set[concurrent.futures.Future[Any]] = set()
+
+    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        future = self._executor.submit(fn, *args)
+        self._running.add(future)
+        future.add_done_callback(self._running.discard)
+        return await asyncio.wrap_future(future)
+
+    async def drain(self) -> None:
+        if self._running:
+            await asyncio.to_thread(concurrent.futures.wait, list(self._running))
+
+
+@dataclass(frozen=True, slots=True)
+class Digests:
+    crc32: int
+    sha256: str | None  # computed only when asked for
+
+
 async def download(
-    fetch_range: FetchRange,
+    open_range: OpenRange,
     dest: Path,
     size_bytes: int,
     policy: TransferPolicy,
     on_bytes: Callable[[int], None] = lambda _: None,
-) -> str:
-    """Write the object to `dest` (created, pre-sized) and return its SHA-256 hex digest.
+    *,
+    sha256: asyncio.Future[bool] | bool = False,
+) -> Digests:
+    """Write the object to `dest` (created, pre-sized) and return its checksums.
 
-    The file is fsynced before returning. On any error the partial file is left for the caller
-    to delete with its staging folder.
+    `sha256` says whether to compute a SHA-256 too; it may be a future that answers while
+    the bytes already flow (the hash reads what is on disk in order and catches up). The file
+    is fsynced before returning. On any error the partial file is left for the caller to
+    delete with its staging folder.
     """
     fd = await asyncio.to_thread(_open_presized, dest, size_bytes)
+    threads = _Threads(policy.executor)
     try:
         progress = _Progress(size_bytes, part_starts(size_bytes, policy))
-        hasher = asyncio.create_task(_hash_in_order(dest, size_bytes, progress))
+        hasher = asyncio.create_task(_hash_if_wanted(sha256, dest, size_bytes, progress))
         parts = [
-            asyncio.create_task(_fetch_part(fetch_range, fd, i, progress, policy, on_bytes))
+            asyncio.create_task(
+                _fetch_part(open_range, fd, i, progress, policy, threads, on_bytes)
+            )
             for i in range(len(progress.starts))
         ]
         try:
@@ -112,8 +187,13 @@ async def download(
             for task in (*parts, hasher):
                 task.cancel()
             await asyncio.gather(*parts, hasher, return_exceptions=True)
+            await threads.drain()
         await asyncio.to_thread(os.fsync, fd)
-        return digest
+        crc = progress.crc32[0]
+        for part in range(1, len(progress.starts)):
+            length = progress.ends[part] - progress.starts[part]
+            crc = crc32_combine(crc, progress.crc32[part], length)
+        return Digests(crc, digest)
     finally:
         os.close(fd)
 
@@ -136,92 +216,105 @@ def _open_presized(dest: Path, size_bytes: int) -> int:
 
 
 async def _fetch_part(
-    fetch_range: FetchRange,
+    open_range: OpenRange,
     fd: int,
     part: int,
     progress: _Progress,
     policy: TransferPolicy,
+    threads: _Threads,
     on_bytes: Callable[[int], None],
 ) -> None:
-    start, end = progress.starts[part], progress.ends[part]
-    offset = start
+    end = progress.ends[part]
     attempt = 0
-    while offset < end:
+    while progress.done_upto[part] < end:
         attempt += 1
         try:
             async with policy.limiter:
-                offset = await _stream_into(fetch_range, fd, part, offset, end, progress, on_bytes)
+                await _stream_part(open_range, fd, part, progress, threads, on_bytes)
         except SourceUnavailable as exc:
-            offset = progress.done_upto[part]
             if attempt >= policy.attempts or not exc.retryable:
                 raise
             delay = backoff_s(attempt)
-            log.debug("retrying part %d from byte %d in %.2fs: %s", part, offset, delay, exc)
+            log.debug("retrying part %d from byte %d in %.2fs: %s", part,
+                      progress.done_upto[part], delay, exc)
             await asyncio.sleep(delay)
-        else:
-            if offset < end:  # a body that ended early without an error: resume the range
-                if attempt >= policy.attempts:
-                    raise SourceUnavailable(
-                        f"the registry sent {offset - start} of {end - start} bytes of a range",
-                        cause="short_body",
-                    )
 
 
-async def _stream_into(
-    fetch_range: FetchRange,
+async def _stream_part(
+    open_range: OpenRange,
     fd: int,
     part: int,
-    offset: int,
-    end: int,
     progress: _Progress,
+    threads: _Threads,
     on_bytes: Callable[[int], None],
-) -> int:
-    """Stream [offset, end) to disk; return how far it got. Progress survives a failure."""
-    # Chunks are kept as the socket delivered them and written with one pwritev: gathering
-    # them into a buffer first cost two copies of every byte on the event loop's thread.
-    pending: list[bytes] = []
-    pending_bytes = 0
-    chunks = fetch_range(offset, end)
+) -> None:
+    """Read the rest of one part to disk in one worker-thread job (a job per chunk left the
+    socket unread while each hop waited for the loop); what arrived before a fault stays,
+    and the retry resumes after it."""
+    offset, end = progress.done_upto[part], progress.ends[part]
+    loop = asyncio.get_running_loop()
+
+    def landed(offset_after: int, crc: int, count: int) -> None:  # on the loop
+        progress.advance(part, offset_after)
+        progress.crc32[part] = crc
+        on_bytes(count)
+
+    def report(offset_after: int, crc: int, count: int) -> None:  # from the worker thread
+        loop.call_soon_threadsafe(landed, offset_after, crc, count)
+
+    stream = await threads.run(open_range, offset, end)
     try:
-        async for chunk in chunks:
-            if offset + pending_bytes + len(chunk) > end:
-                raise SourceUnavailable(
-                    "the registry sent more bytes than the range asked for", cause="long_body"
-                )
-            pending.append(chunk)
-            pending_bytes += len(chunk)
-            if pending_bytes >= WRITE_CHUNK_BYTES or len(pending) >= MAX_WRITE_BUFFERS:
-                offset = await _flush(fd, pending, offset, part, progress, on_bytes)
-                pending_bytes = 0
-    except SourceUnavailable:
-        if pending:  # keep what arrived: the retry resumes after it
-            await _flush(fd, pending, offset, part, progress, on_bytes)
+        reached, crc, error = await threads.run(
+            _copy_range, stream, fd, offset, end, progress.crc32[part], report
+        )
+        # Reports queued by the thread run before this line; set the final state regardless.
+        progress.advance(part, reached)
+        progress.crc32[part] = crc
+        if error is not None:
+            raise error
+        if reached < end:
+            raise SourceUnavailable(
+                f"the registry ended a range {end - reached} bytes short", cause="short_body"
+            )
+    except BaseException:
+        stream.abort()
         raise
-    finally:
-        await chunks.aclose()
-    if pending:
-        offset = await _flush(fd, pending, offset, part, progress, on_bytes)
-    return offset
+    stream.close()
 
 
-async def _flush(
-    fd: int,
-    pending: list[bytes],
-    offset: int,
-    part: int,
-    progress: _Progress,
-    on_bytes: Callable[[int], None],
-) -> int:
-    """Write and empty `pending`; return the offset after it."""
-    written = await asyncio.to_thread(_pwrite_all, fd, pending, offset)
-    pending.clear()
-    offset += written
-    progress.advance(part, offset)
-    on_bytes(written)
-    return offset
+def _copy_range(
+    stream: RangeStream, fd: int, offset: int, end: int, crc: int,
+    report: Callable[[int, int, int], None],
+) -> tuple[int, int, SidecarError | None]:
+    """Worker thread: copy [offset, end) from the stream to the file a buffer at a time,
+    with a running CRC-32. Returns how far it got, the CRC of the part up to there, and the
+    fault that stopped it early, if any; bytes that arrived before a fault are kept."""
+    buffer = bytearray(min(CHUNK_BYTES, end - offset))
+    view = memoryview(buffer)
+    while offset < end:
+        want = min(len(buffer), end - offset)
+        got = 0
+        error: SidecarError | None = None
+        try:
+            while got < want:
+                n = stream.readinto(view[got:want])
+                if n == 0:
+                    break
+                got += n
+        except SidecarError as exc:
+            error = exc
+        if got:
+            chunk = view[:got]
+            _pwrite_all(fd, [chunk], offset)
+            crc = zlib.crc32(chunk, crc)
+            offset += got
+            report(offset, crc, got)
+        if error is not None or got < want:
+            return offset, crc, error
+    return offset, crc, None
 
 
-def _pwrite_all(fd: int, buffers: list[bytes], offset: int) -> int:
+def _pwrite_all(fd: int, buffers: list[bytes] | list[memoryview], offset: int) -> int:
     views = [memoryview(b) for b in buffers if b]
     total = 0
     while views:
@@ -234,6 +327,14 @@ def _pwrite_all(fd: int, buffers: list[bytes], offset: int) -> int:
         if views and written:
             views[0] = views[0][written:]
     return total
+
+
+async def _hash_if_wanted(
+    wanted: asyncio.Future[bool] | bool, path: Path, size_bytes: int, progress: _Progress
+) -> str | None:
+    if not (wanted if isinstance(wanted, bool) else await wanted):
+        return None
+    return await _hash_in_order(path, size_bytes, progress)
 
 
 async def _hash_in_order(path: Path, size_bytes: int, progress: _Progress) -> str:

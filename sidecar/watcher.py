@@ -12,6 +12,7 @@ import math
 import os
 import stat
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from watchdog.events import (
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 
+from .checksum import crc32_hex
 from .config import is_valid_adapter_id
 from .logs import fields
 from .metrics import Metrics
@@ -305,12 +307,12 @@ class Watcher:
             if name == RECORD_NAME or not stat.S_ISREG(mode):
                 continue  # a record copied from elsewhere is replaced; validation names others
             try:
-                size_bytes, sha256 = await asyncio.to_thread(_hash_file, folder / name)
+                size_bytes, crc32, sha256 = await asyncio.to_thread(_hash_file, folder / name)
             except OSError as exc:
                 problems.append(Problem("read_error", name, f"cannot read it: {exc}"))
                 continue
-            files[name] = FileRecord(size_bytes, "", sha256)
-        digests = {name: f.sha256 for name, f in files.items()}
+            files[name] = FileRecord(size_bytes, "", crc32, sha256)
+        digests = {name: f.sha256 for name, f in files.items() if f.sha256}
         problems += await asyncio.to_thread(validate_adapter, folder, self._rules, sha256=digests)
         # A copy made in one long system call (copy_file_range, a reflink) sends no event
         # until it ends; growing sizes or times still show it is not finished.
@@ -371,16 +373,18 @@ def _snapshot(folder: Path) -> _Snapshot:
     return shot
 
 
-def _hash_file(path: Path) -> tuple[int, str]:
-    """(bytes read, SHA-256 hex) of a regular file, never following a link."""
+def _hash_file(path: Path) -> tuple[int, str, str]:
+    """(bytes read, CRC-32 hex, SHA-256 hex) of a regular file, never following a link."""
     digest = hashlib.sha256()
+    crc = 0
     size_bytes = 0
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     with os.fdopen(fd, "rb", buffering=0) as f:
         while chunk := f.read(HASH_CHUNK_BYTES):
             digest.update(chunk)
+            crc = zlib.crc32(chunk, crc)
             size_bytes += len(chunk)
-    return size_bytes, digest.hexdigest()
+    return size_bytes, crc32_hex(crc), digest.hexdigest()
 
 
 def _write_record_into(folder: Path, expected: os.stat_result, record: AdapterRecord) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,8 +53,8 @@ def check_cache(
 ) -> CacheState:
     """Assert the cache is consistent and return what it holds.
 
-    Every folder under adapters/ has a record whose files, sizes and SHA-256 match the bytes on
-    disk (re-hashed here), passes validation, and, when `sources` has it, holds exactly the
+    Every folder under adapters/ has a record whose files, sizes and checksums match the bytes
+    on disk (re-hashed here), passes validation, and, when `sources` has it, holds exactly the
     registry's bytes; the budget holds; .staging/ and .trash/ are empty.
     """
     problems: list[str] = []
@@ -78,7 +79,8 @@ def check_cache(
             expected = record.files.get(name)
             if expected is not None and (
                 expected.size_bytes != len(data)
-                or expected.sha256 != hashlib.sha256(data).hexdigest()
+                or expected.crc32 != f"{zlib.crc32(data):08x}"
+                or expected.sha256 not in (None, hashlib.sha256(data).hexdigest())
             ):
                 problems.append(f"{adapter_id}/{name}: bytes differ from the record")
         problems += [f"{adapter_id}: invalid: {p.code} {p.file}: {p.message}"

@@ -39,11 +39,12 @@ sent so far, Content-Length)."""
 class BodyFault:
     """Damage the body of matching responses: stop after `after_bytes` and then reset the
     connection, end the body early (shorter than its Content-Length), or stall (send nothing
-    more until the test releases stalls or resets the proxy)."""
+    more until the test releases stalls or resets the proxy); or "flip" the byte at
+    `after_bytes` and send the rest (a body corrupted in transit, its length intact)."""
 
     matches: Callable[[Seen], bool]
     after_bytes: int
-    mode: str  # "reset", "short" or "stall"
+    mode: str  # "reset", "short", "stall" or "flip"
     times: int = 1
 
 
@@ -186,7 +187,12 @@ class S3Proxy:
             fault = self._take_body_fault(seen)
             sent = 0
             async for chunk in upstream.content.iter_chunked(64 * 1024):
-                if fault is not None and sent + len(chunk) >= fault.after_bytes:
+                if fault is not None and fault.mode == "flip" and (
+                        sent <= fault.after_bytes < sent + len(chunk)):
+                    at = fault.after_bytes - sent
+                    chunk = chunk[:at] + bytes([chunk[at] ^ 0x01]) + chunk[at + 1:]
+                elif fault is not None and fault.mode != "flip" and (
+                        sent + len(chunk) >= fault.after_bytes):
                     await response.write(chunk[: fault.after_bytes - sent])
                     if fault.mode == "stall":
                         await self.stall()

@@ -1,0 +1,131 @@
+"""Checksums: each part's CRC-32 is taken as its bytes land and combined into the file's, then
+compared with the full-object checksums the registry keeps (CRC-32 by default for uploads of
+current AWS SDKs, SHA-256 when the uploader asked for it)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+from pathlib import Path
+
+import aiohttp
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sidecar.checksum import crc32_combine, s3_checksum_hex
+from sidecar.examples import write_adapter
+from sidecar.shapes import ModelShapes
+from tests.conftest import S3Registry, StartSidecar, call, s3_settings
+from tests.s3proxy import BodyFault, Seen
+
+WEIGHTS = "adapter_model.safetensors"
+# About 12 MB of weights: three ranged parts of 5 MiB or less.
+SHAPES = ModelShapes(hidden_size=1024, intermediate_size=2816, num_attention_heads=8,
+                     num_key_value_heads=8, num_hidden_layers=20, head_dim=128)
+
+
+@given(st.binary(max_size=3000), st.binary(max_size=3000), st.binary(max_size=300))
+def test_crc32_of_parts_combines_into_the_crc32_of_the_whole(
+    a: bytes, b: bytes, c: bytes
+) -> None:
+    ab = crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b))
+    assert ab == zlib.crc32(a + b)
+    assert crc32_combine(ab, zlib.crc32(c), len(c)) == zlib.crc32(a + b + c)
+
+
+def test_composite_checksums_of_multipart_uploads_are_not_compared() -> None:
+    assert s3_checksum_hex("DUoRhQ==", None) == "0d4a1185"
+    assert s3_checksum_hex("DUoRhQ==-3", None) is None
+    assert s3_checksum_hex("DUoRhQ==", "COMPOSITE") is None
+    assert s3_checksum_hex("not base64!", "FULL_OBJECT") is None
+
+
+def upload(s3: S3Registry, tmp_path: Path, adapter_id: str, algorithm: str) -> dict[str, bytes]:
+    folder = tmp_path / "upload" / adapter_id
+    write_adapter(folder, rank=16, shapes=SHAPES, target_modules=(
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    files = {p.name: p.read_bytes() for p in folder.iterdir()}
+    for name, data in files.items():
+        s3.put_object(s3.key(adapter_id, name), data, ChecksumAlgorithm=algorithm)
+    return files
+
+
+def record_of(body: dict[str, object]) -> dict[str, dict[str, object]]:
+    record = json.loads((Path(str(body["local_path"])) / ".sidecar.json").read_text())
+    files: dict[str, dict[str, object]] = record["files"]
+    return files
+
+
+async def test_registry_crc32_is_checked_over_ranged_parts_and_recorded(
+    tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    files = upload(s3, tmp_path, "crc-v1", "CRC32")
+    head = s3.client.head_object(Bucket=s3.bucket, Key=s3.key("crc-v1", WEIGHTS),
+                                 ChecksumMode="ENABLED")
+    assert head.get("ChecksumCRC32")  # the registry keeps one: the sidecar must compare it
+    sidecar = await start_sidecar(s3_settings(tmp_path, s3, part_size_bytes=5 * 1024**2))
+
+    status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "crc-v1"})
+
+    assert status == 200, body
+    assert len(s3.proxy.gets(s3.key("crc-v1", WEIGHTS))) > 1  # combined from ranged parts
+    recorded = record_of(body)
+    for name, data in files.items():
+        assert recorded[name]["crc32"] == f"{zlib.crc32(data):08x}"
+        assert recorded[name]["sha256"] is None
+
+
+async def test_registry_sha256_is_computed_checked_and_recorded(
+    tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    files = upload(s3, tmp_path, "sha-v1", "SHA256")
+    sidecar = await start_sidecar(s3_settings(tmp_path, s3, part_size_bytes=5 * 1024**2))
+
+    status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "sha-v1"})
+
+    assert status == 200, body
+    recorded = record_of(body)
+    for name, data in files.items():
+        assert recorded[name]["sha256"] == hashlib.sha256(data).hexdigest()
+        assert recorded[name]["crc32"] == f"{zlib.crc32(data):08x}"
+
+
+def weights_get(seen: Seen) -> bool:
+    return seen.method == "GET" and seen.path.endswith(WEIGHTS) and "list-type" not in seen.query
+
+
+async def corrupted_stage(
+    tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
+    algorithm: str,
+) -> dict[str, object]:
+    adapter_id = f"{algorithm.lower()}-corrupt"
+    upload(s3, tmp_path, adapter_id, algorithm)
+    # One bit flipped in the tensor data of one ranged part (past the ~50 KB header): the
+    # length is right, the bytes are not.
+    s3.proxy.body_faults.append(BodyFault(weights_get, after_bytes=200_000, mode="flip"))
+    sidecar = await start_sidecar(s3_settings(tmp_path, s3, part_size_bytes=5 * 1024**2))
+    status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": adapter_id})
+    assert status == 422, body
+    assert not (tmp_path / "cache" / "adapters" / adapter_id).exists()
+    assert list((tmp_path / "cache" / ".staging").iterdir()) == []
+    assert isinstance(body, dict)
+    return body
+
+
+async def test_bytes_corrupted_in_transit_fail_the_crc32_check(
+    tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    body = await corrupted_stage(tmp_path, s3, start_sidecar, http, "CRC32")
+    assert [(p["code"], p["file"]) for p in body["problems"]] == [  # type: ignore[attr-defined]
+        ("checksum_mismatch", WEIGHTS)]
+    assert "CRC-32" in body["message"]  # type: ignore[operator]
+
+
+async def test_bytes_corrupted_in_transit_fail_the_sha256_check(
+    tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    body = await corrupted_stage(tmp_path, s3, start_sidecar, http, "SHA256")
+    assert [(p["code"], p["file"]) for p in body["problems"]] == [  # type: ignore[attr-defined]
+        ("checksum_mismatch", WEIGHTS)]
+    assert "SHA-256" in body["message"]  # type: ignore[operator]
