@@ -275,6 +275,9 @@ OPTIONS: tuple[Option, ...] = (
            "adapter ids staged at start and never evicted (comma-separated)", "ID,ID"),
     Option("lease_ttl_s", "--lease-ttl", _positive(_parse_float), "600",
            "seconds after which an unreleased lease expires", "SECONDS"),
+    Option("max_leases", "--max-leases", _at_least(_parse_int, 1, "at least 1"), "100000",
+           "most live leases; past it the oldest end early (callers that never release "
+           "would otherwise grow memory without bound)", "N"),
     Option("stage_timeout_s", "--stage-timeout", _positive(_parse_float), "600",
            "longest a /stage call waits when the caller gives no timeout_s", "SECONDS"),
     Option("refusal_ttl_s", "--refusal-ttl", _at_least(_parse_float, 0, "0 or more"), "60",
@@ -341,6 +344,7 @@ class Settings:
     min_free_bytes: int = 256 * 1024**2
     pin: tuple[str, ...] = ()
     lease_ttl_s: float = 600.0
+    max_leases: int = 100_000
     stage_timeout_s: float = 600.0
     refusal_ttl_s: float = 60.0
     max_lora_rank: int = 16

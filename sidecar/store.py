@@ -6,8 +6,10 @@ makes them true on disk, so the index and the folder under `adapters/` never dis
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .config import is_valid_adapter_id
 from .errors import AdapterInUse, CacheFull, LeaseNotFound, NotCached
@@ -45,8 +47,13 @@ class EvictReason(Enum):
 
 def iso_utc(unix_s: float) -> str:
     """`2026-12-02T14:28:52.178Z`"""
-    millis = int(unix_s * 1000) % 1000
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(unix_s)) + f".{millis:03d}Z"
+    millis = int(unix_s * 1000)
+    return f"{_iso_seconds(millis // 1000)}.{millis % 1000:03d}Z"
+
+
+@functools.lru_cache(maxsize=64)
+def _iso_seconds(unix_s: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(unix_s))
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +135,7 @@ class CachedAdapter:
         return self.record.size_bytes
 
 
-@dataclass(frozen=True, slots=True)
-class Lease:
+class Lease(NamedTuple):
     lease_id: str
     adapter_id: str
     expires_at: float  # unix seconds
@@ -165,6 +171,7 @@ class AdapterStore:
         min_free_bytes: int,
         lease_ttl_s: float,
         metrics: Metrics,
+        max_leases: int = 100_000,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.root = root
@@ -179,8 +186,16 @@ class AdapterStore:
         self._metrics = metrics
         self._clock = clock
         self._index: OrderedDict[str, CachedAdapter] = OrderedDict()  # LRU first
-        self._leases: dict[str, Lease] = {}
-        self._leases_by_adapter: dict[str, set[str]] = {}
+        # lease_id -> (adapter_id, expires_at), in expiry order. Plain tuples of a str and a
+        # float, which the garbage collector stops tracking: callers that never release can
+        # leave hundreds of thousands of leases, and tracked objects made every full
+        # collection a pause of tens of milliseconds on the hit path. An OrderedDict, because
+        # finding the oldest entry of a plain dict skips every slot deleted before it.
+        self._leases: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._lease_counts: dict[str, int] = {}  # adapter_id -> live leases
+        self.max_leases = max_leases
+        self._random_pool: list[str] = []
+        self._lease_cap_warned_at = -math.inf
         self._claims: dict[str, int] = {}  # callers waiting to lease an adapter being staged
         self._reservations: list[Reservation] = []
         self._pins: set[str] = set()
@@ -195,6 +210,8 @@ class AdapterStore:
         for folder in (self.staging_dir, self.trash_dir):
             for entry in list(folder.iterdir()):
                 _remove_tree(entry)
+        for probe in self.root.glob(".write-probe.*"):  # left by a process killed mid-probe
+            probe.unlink(missing_ok=True)
 
     def scan(self, check: Callable[[Path, AdapterRecord], list[str]]) -> tuple[
         list[AdapterRecord], RecoveryReport
@@ -307,10 +324,32 @@ class AdapterStore:
         now = self._clock()
         adapter.last_used = now
         self._index.move_to_end(adapter_id)
-        lease = Lease(secrets.token_hex(16), adapter_id, now + self.lease_ttl_s)
-        self._leases[lease.lease_id] = lease
-        self._leases_by_adapter.setdefault(adapter_id, set()).add(lease.lease_id)
+        lease = Lease(self._new_lease_id(), adapter_id, now + self.lease_ttl_s)
+        self._leases[lease.lease_id] = (adapter_id, lease.expires_at)
+        self._lease_counts[adapter_id] = self._lease_counts.get(adapter_id, 0) + 1
+        if len(self._leases) > self.max_leases:
+            self._drop_oldest_lease(now)
         return lease
+
+    def _new_lease_id(self) -> str:
+        """128 random bits from the OS's CSPRNG, fetched 256 ids at a time: one getrandom()
+        per request was a measurable share of the hit path."""
+        if not self._random_pool:
+            pool = secrets.token_bytes(16 * 256)
+            self._random_pool = [pool[i:i + 16].hex() for i in range(0, len(pool), 16)]
+        return self._random_pool.pop()
+
+    def _drop_oldest_lease(self, now: float) -> None:
+        """Past --max-leases someone is not releasing: the oldest lease ends early, so memory
+        stays bounded. A request still running after that many newer ones is not plausible."""
+        lease_id, (adapter_id, _) = next(iter(self._leases.items()))
+        self._end_lease(lease_id)
+        self._metrics.leases_expired.inc()
+        if now - self._lease_cap_warned_at >= 60:
+            self._lease_cap_warned_at = now
+            log.warning("%d live leases: the oldest end early (adapter_id=%s); callers are "
+                        "not releasing their leases (POST /release)", self.max_leases,
+                        adapter_id, extra=fields(event="lease_cap", count=self.max_leases))
 
     def touch(self, adapter_id: str) -> None:
         adapter = self._index[adapter_id]
@@ -318,24 +357,20 @@ class AdapterStore:
         self._index.move_to_end(adapter_id)
 
     def release(self, lease_id: str) -> Lease:
-        lease = self._leases.pop(lease_id, None)
-        if lease is None:
+        if lease_id not in self._leases:
             raise LeaseNotFound(f"no live lease {lease_id!r} (released or expired already)")
-        self._drop_lease_ref(lease)
-        return lease
+        return self._end_lease(lease_id)
 
     def expire_leases(self) -> list[Lease]:
         """Drop leases past their expiry. Every lease gets the same TTL, so `_leases` (in
         insertion order) is in expiry order: the sweep stops at the first live one."""
         now = self._clock()
-        expired = []
-        for lease in self._leases.values():
-            if lease.expires_at > now:
+        ended = []
+        for lease_id, (_, expires_at) in self._leases.items():
+            if expires_at > now:
                 break
-            expired.append(lease)
-        for lease in expired:
-            del self._leases[lease.lease_id]
-            self._drop_lease_ref(lease)
+            ended.append(lease_id)
+        expired = [self._end_lease(lease_id) for lease_id in ended]
         if expired:
             self._metrics.leases_expired.inc(len(expired))
         for lease in expired[:EXPIRY_LOG_LINES]:
@@ -351,17 +386,25 @@ class AdapterStore:
 
     def next_lease_expiry(self) -> float | None:
         first = next(iter(self._leases.values()), None)
-        return None if first is None else first.expires_at
+        return None if first is None else first[1]
 
     def lease_count(self, adapter_id: str) -> int:
-        return len(self._leases_by_adapter.get(adapter_id, ()))
+        return self._lease_counts.get(adapter_id, 0)
 
-    def _drop_lease_ref(self, lease: Lease) -> None:
-        ids = self._leases_by_adapter.get(lease.adapter_id)
-        if ids is not None:
-            ids.discard(lease.lease_id)
-            if not ids:
-                del self._leases_by_adapter[lease.adapter_id]
+    def _lease_ids_of(self, adapter_id: str) -> list[str]:
+        """A scan: only forced and external evictions need the ids, and they are rare."""
+        if adapter_id not in self._lease_counts:
+            return []
+        return sorted(i for i, (held, _) in self._leases.items() if held == adapter_id)
+
+    def _end_lease(self, lease_id: str) -> Lease:
+        adapter_id, expires_at = self._leases.pop(lease_id)
+        left = self._lease_counts[adapter_id] - 1
+        if left:
+            self._lease_counts[adapter_id] = left
+        else:
+            del self._lease_counts[adapter_id]
+        return Lease(lease_id, adapter_id, expires_at)
 
     # ---- claims: a caller that will lease an adapter once its stage finishes ------------
 
@@ -379,7 +422,7 @@ class AdapterStore:
         """Never evicted to make room: pinned, leased, or about to be leased."""
         return (
             adapter_id in self._pins
-            or adapter_id in self._leases_by_adapter
+            or adapter_id in self._lease_counts
             or adapter_id in self._claims
         )
 
@@ -517,7 +560,7 @@ class AdapterStore:
         """Operator eviction: refused while pinned or leased unless forced."""
         if adapter_id not in self._index:
             raise NotCached(f"adapter {adapter_id} is not in the cache", adapter_id=adapter_id)
-        leases = sorted(self._leases_by_adapter.get(adapter_id, ()))
+        leases = self._lease_ids_of(adapter_id)
         pinned = adapter_id in self._pins
         if (leases or pinned or adapter_id in self._claims) and not force:
             why = []
@@ -532,7 +575,7 @@ class AdapterStore:
                 adapter_id=adapter_id, pinned=pinned, lease_ids=leases,
             )
         for lease_id in leases:
-            self._drop_lease_ref(self._leases.pop(lease_id))
+            self._end_lease(lease_id)
         if force and pinned:
             self.unpin(adapter_id)
         reason = EvictReason.FORCED if (leases or pinned) else EvictReason.MANUAL
@@ -544,8 +587,8 @@ class AdapterStore:
         adapter = self._index.pop(adapter_id, None)
         if adapter is None:
             return None
-        for lease_id in sorted(self._leases_by_adapter.get(adapter_id, ())):
-            self._drop_lease_ref(self._leases.pop(lease_id))
+        for lease_id in self._lease_ids_of(adapter_id):
+            self._end_lease(lease_id)
         self._count_eviction(adapter, EvictReason.EXTERNAL)
         return adapter
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry
 
+from sidecar.errors import LeaseNotFound
 from sidecar.metrics import Metrics
 from sidecar.store import AdapterRecord, AdapterStore, FileRecord
 
@@ -46,3 +48,18 @@ def test_expiry_drops_exactly_the_leases_past_their_ttl(tmp_path: Path) -> None:
     assert len(store.expire_leases()) == 2
     assert not store.is_protected("a")
     assert store.next_lease_expiry() is None
+
+
+def test_past_the_lease_cap_the_oldest_lease_ends_early(tmp_path: Path) -> None:
+    clock = Clock()
+    store = store_with_adapter(tmp_path, clock)
+    store.max_leases = 3
+    leases = [store.lease("a") for _ in range(5)]
+
+    assert store.snapshot().active_leases == 3
+    assert store.lease_count("a") == 3
+    for dropped in leases[:2]:
+        with pytest.raises(LeaseNotFound):
+            store.release(dropped.lease_id)
+    assert store.release(leases[4].lease_id).adapter_id == "a"
+    assert store.lease_count("a") == 2
