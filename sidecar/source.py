@@ -34,6 +34,7 @@ from .transfer import TransferPolicy, download
 log = logging.getLogger(__name__)
 
 PRESIGNED_URL_TTL_S = 3600  # longer than any one file's download
+_MULTIPART_ETAG = re.compile(r'-[0-9]+"?$')
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,5 +300,13 @@ class S3Source:
 
 
 def _checksum(response: dict[str, Any], algorithm: str) -> str | None:
-    """The registry's full-object checksum of one algorithm, as hex, if it keeps one."""
-    return s3_checksum_hex(response.get(f"Checksum{algorithm}"), response.get("ChecksumType"))
+    """The registry's full-object checksum of one algorithm, as hex, if it keeps one.
+
+    A multipart upload's checksum is a checksum of its parts' checksums unless S3 says
+    FULL_OBJECT; some S3-compatible servers return it without S3's "-N" suffix or a type, so
+    a multipart ETag ("...-N") with no stated type is taken as composite, never compared.
+    """
+    checksum_type = response.get("ChecksumType")
+    if _MULTIPART_ETAG.search(str(response.get("ETag", ""))) and checksum_type != "FULL_OBJECT":
+        return None
+    return s3_checksum_hex(response.get(f"Checksum{algorithm}"), checksum_type)

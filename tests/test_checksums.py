@@ -10,6 +10,7 @@ import zlib
 from pathlib import Path
 
 import aiohttp
+from boto3.s3.transfer import TransferConfig
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -129,3 +130,26 @@ async def test_bytes_corrupted_in_transit_fail_the_sha256_check(
     assert [(p["code"], p["file"]) for p in body["problems"]] == [  # type: ignore[attr-defined]
         ("checksum_mismatch", WEIGHTS)]
     assert "SHA-256" in body["message"]  # type: ignore[operator]
+
+
+async def test_a_multipart_uploads_composite_checksum_is_not_taken_for_the_files(
+    tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    folder = tmp_path / "upload" / "multipart-v1"
+    write_adapter(folder, rank=16, shapes=SHAPES, target_modules=(
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    weights = (folder / WEIGHTS).read_bytes()
+    config = TransferConfig(multipart_threshold=5 * 1024**2, multipart_chunksize=5 * 1024**2)
+    for path in folder.iterdir():
+        s3.client.upload_file(str(path), s3.bucket, s3.key("multipart-v1", path.name),
+                              Config=config)
+    head = s3.client.head_object(Bucket=s3.bucket, Key=s3.key("multipart-v1", WEIGHTS),
+                                 ChecksumMode="ENABLED")
+    assert head["ETag"].endswith('-3"')  # uploaded in parts: its checksum covers the parts
+    sidecar = await start_sidecar(s3_settings(tmp_path, s3))
+
+    status, body = await call(http, "POST", f"{sidecar.url}/stage",
+                              {"adapter_id": "multipart-v1"})
+
+    assert status == 200, body
+    assert record_of(body)[WEIGHTS]["crc32"] == f"{zlib.crc32(weights):08x}"
