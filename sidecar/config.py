@@ -261,8 +261,9 @@ OPTIONS: tuple[Option, ...] = (
            "objects larger than this are fetched as parallel ranged GETs of this size",
            "SIZE"),
     Option("download_concurrency", "--download-concurrency",
-           _at_least(_parse_int, 1, "at least 1"), "16",
-           "registry requests in flight at once, across all adapters", "N"),
+           _at_least(_parse_int, 1, "at least 1"), "32",
+           "ranged GETs in flight at once, across all adapters (S3 serves each connection "
+           "at a fraction of a NIC: parallel ones fill it; 1 MiB of buffer each)", "N"),
     Option("max_bytes", "--max-bytes", _positive(parse_size), "20GiB",
            "byte budget of the cache (e.g. 500GB); least recently used adapters are evicted",
            "SIZE"),
@@ -338,7 +339,7 @@ class Settings:
     s3_read_timeout_s: float = 30.0
     s3_max_attempts: int = 5
     part_size_bytes: int = 8 * 1024**2
-    download_concurrency: int = 16
+    download_concurrency: int = 32
     max_bytes: int = 20 * 1024**3
     max_adapters: int = 256
     min_free_bytes: int = 256 * 1024**2

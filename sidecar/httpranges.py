@@ -8,6 +8,7 @@ HEAD and signing stay with botocore in `source.py`.
 from __future__ import annotations
 
 import http.client
+import io
 import logging
 import re
 import socket
@@ -20,6 +21,7 @@ from .errors import SidecarError, SourceChanged, SourceError, SourceUnavailable
 log = logging.getLogger(__name__)
 
 ERROR_BODY_MAX_BYTES = 64 * 1024
+RECV_LOWAT_BYTES = 256 * 1024
 _CODE = re.compile(rb"<Code>([A-Za-z0-9.]{1,64})</Code>")
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
@@ -174,15 +176,39 @@ class _HttpRangeStream:
         self._reader = reader
         self._conn = conn
         self._response = response
+        self._lowat = 1
 
     def readinto(self, buffer: memoryview) -> int:
         try:
+            self._wait_for_more(len(buffer))
             return self._response.readinto(buffer)
         except (OSError, http.client.HTTPException) as exc:
             raise self._reader.fault(exc) from exc
 
+    def _wait_for_more(self, wanted: int) -> None:
+        """Have each socket read wake up only once RECV_LOWAT_BYTES have arrived: on a slow
+        link a wake-up per packet cost more CPU (and GIL hand-offs) than the copying.
+
+        A read waits for that many bytes (or all it asked for), so the mark must never
+        exceed what the body still owes beyond this buffer, less what http.client's reader
+        may hold already: the reads that fill this buffer, its own small refills included,
+        could otherwise wait for bytes that never come. The body's last buffer reads with
+        no mark.
+        """
+        remaining = self._response.length
+        if remaining is None:
+            return
+        beyond = remaining - wanted - io.DEFAULT_BUFFER_SIZE
+        lowat = max(1, min(RECV_LOWAT_BYTES, wanted, beyond))
+        sock = self._conn.sock
+        if lowat != self._lowat and sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
+            self._lowat = lowat
+
     def close(self) -> None:
         if self._response.isclosed() and not self._response.will_close:
+            if self._lowat != 1 and self._conn.sock is not None:
+                self._conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
             self._reader.release(self._conn)  # the whole body was read: keep it alive
         else:
             self._conn.close()
