@@ -433,5 +433,6 @@ def build_web_app(services: Services) -> web.Application:
         app.router.add_route(method, path, json_errors(handler))
         # Registered after the real method, so it only answers the others (HEAD comes with GET).
         app.router.add_route("*", path, _method_not_allowed(method))
-    app.router.add_route("*", "/{tail:.*}", _not_found)
+    # `[\s\S]`, not `.`: a path may decode to control characters such as a newline.
+    app.router.add_route("*", r"/{tail:[\s\S]*}", _not_found)
     return app

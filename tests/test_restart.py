@@ -86,11 +86,13 @@ async def test_sigkill_during_a_large_download_leaves_nothing_partial(
                            target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                            "up_proj", "down_proj"))
     weights_size = len(files["adapter_model.safetensors"])
-    # Per response: the ~10 MB of weights come as ten 1 MB ranges, each about 4 s long.
+    # Two GETs in flight: the ~10 MB of weights come as two 5 MiB ranges, each about 20 s long
+    # at this rate, so the kill below always lands part-way through the download.
     s3.proxy.throttle_bytes_per_s = 256 * 1024
     cache = tmp_path / "cache"
     args = ["--registry", s3.registry, "--s3-endpoint-url", s3.endpoint_url,
-            "--cache-root", str(cache), "--part-size", "5MiB", "--min-free-disk", "0"]
+            "--cache-root", str(cache), "--part-size", "5MiB", "--download-concurrency", "2",
+            "--min-free-disk", "0"]
     first = SidecarProcess(args, tmp_path / "sidecar.log")
     sidecar_processes.append(first)
 
