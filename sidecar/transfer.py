@@ -52,7 +52,10 @@ retryable) and other SidecarErrors for final ones."""
 
 CHUNK_BYTES = 1024 * 1024  # read into one buffer, then one pwrite: few system calls, small RAM
 HASH_CHUNK_BYTES = 4 * 1024 * 1024
-MIN_SPLIT_PART_BYTES = 1024 * 1024  # no finer ranges than this when spreading a file out
+# No finer ranges than this when spreading a file out. Each GET has a fixed cost at the server:
+# against s3rver on loopback, 27 ranges of 1 MiB staged a 27 MB file in 0.11-0.13 s where 13
+# of 2 MiB took 0.08-0.10 s, and on the shaped link both took 0.17 s (4 MiB: 0.26 s).
+MIN_SPLIT_PART_BYTES = 2 * 1024 * 1024
 BACKOFF_BASE_S = 0.2
 BACKOFF_CAP_S = 5.0
 
@@ -88,8 +91,8 @@ def part_starts(size_bytes: int, policy: TransferPolicy) -> list[int]:
     An object up to one part size is one GET. A larger one is cut into equal parts of at most
     the part size, as many as fill every round of `concurrency` parallel GETs (never below
     MIN_SPLIT_PART_BYTES): 40 parts would leave the third of three rounds half idle, so 48
-    are fetched; a 27 MB file becomes 16 parts of 1.7 MB rather than 4 of 8 MiB, so a link
-    that limits each connection carries it four times as fast.
+    are fetched; a 27 MB file becomes 12 parts of 2.25 MB rather than 4 of 8 MiB, so a link
+    that limits each connection carries it three times as fast.
     """
     if size_bytes <= policy.part_size_bytes:
         return [0]

@@ -59,12 +59,12 @@ def test_an_object_of_one_part_size_or_less_is_one_get() -> None:
 
 
 def test_a_larger_object_fills_every_round_of_parallel_gets() -> None:
-    # 27 MB: every one of 16 connections carries a share, not 4 of them 8 MiB each.
-    assert len(_part_sizes(27_000_000, 16)) == 16
+    # 27 MB: a dozen connections carry a 2 MiB share each, not 4 of them 8 MiB each.
+    assert len(_part_sizes(27_000_000, 16)) == 27_000_000 // transfer.MIN_SPLIT_PART_BYTES == 12
     # 336 MB is 40 parts of 8 MiB: three rounds of 16, so 48 equal parts fill the third.
     sizes = _part_sizes(336_000_000, 16)
     assert len(sizes) == 48 and max(sizes) - min(sizes) <= 1
-    # Just over one part size: no more parts than whole MiBs, so ranges stay near 1 MiB.
+    # Just over one part size: no more parts than the smallest split allows.
     assert len(_part_sizes((8 << 20) + 1, 16)) == (8 << 20) // transfer.MIN_SPLIT_PART_BYTES
     # One GET at a time: as few parts as the part size allows, of equal size.
     sizes = _part_sizes(20 << 20, 1)
