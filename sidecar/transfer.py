@@ -138,15 +138,34 @@ class _Threads:
         self._executor = executor or _shared_executor()
         self._running: set[concurrent.futures.Future[Any]] = set()
 
-    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+    def submit(self, fn: Callable[..., _T], *args: Any) -> concurrent.futures.Future[_T]:
         future = self._executor.submit(fn, *args)
         self._running.add(future)
         future.add_done_callback(self._running.discard)
-        return await asyncio.wrap_future(future)
+        return future
+
+    async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        return await asyncio.wrap_future(self.submit(fn, *args))
+
+    async def open(self, open_range: OpenRange, start: int, end: int) -> RangeStream:
+        """A range opened in a worker thread. When the download is cancelled meanwhile, the
+        thread still finishes opening it; the stream it opens is then aborted, never left
+        holding a connection."""
+        future = self.submit(open_range, start, end)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(_abort_opened)
+            raise
 
     async def drain(self) -> None:
         if self._running:
             await asyncio.to_thread(concurrent.futures.wait, list(self._running))
+
+
+def _abort_opened(future: concurrent.futures.Future[RangeStream]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().abort()
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,7 +283,7 @@ async def _stream_part(
     def report(offset_after: int, crc: int, count: int) -> None:  # from the worker thread
         loop.call_soon_threadsafe(landed, offset_after, crc, count)
 
-    stream = await threads.run(open_range, offset, end)
+    stream = await threads.open(open_range, offset, end)
     try:
         reached, crc, error = await threads.run(
             _copy_range, stream, fd, offset, end, progress.crc32[part], report

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,47 @@ def test_parts_cover_the_object_once_and_never_exceed_the_part_size(
     sizes = _part_sizes(size_bytes, concurrency)
     assert sum(sizes) == size_bytes
     assert all(0 < s <= 8 << 20 for s in sizes) or sizes == [0]
+
+
+class _OpenedRange:
+    """A range stream that only records how it ended."""
+
+    def __init__(self) -> None:
+        self.ended: str | None = None
+
+    def readinto(self, buffer: memoryview) -> int:
+        raise AssertionError("a cancelled download must not read")
+
+    def close(self) -> None:
+        self.ended = "closed"
+
+    def abort(self) -> None:
+        self.ended = "aborted"
+
+
+async def test_a_range_opened_after_its_download_was_cancelled_is_aborted(
+    tmp_path: Path,
+) -> None:
+    # A worker thread cannot be interrupted: when the download is cancelled (another file
+    # failed, the disk filled) while a thread is still connecting, whatever it opens must not
+    # be left holding its connection.
+    opening = asyncio.Event()
+    proceed = threading.Event()
+    opened: list[_OpenedRange] = []
+    loop = asyncio.get_running_loop()
+
+    def open_range(start: int, end: int) -> _OpenedRange:
+        loop.call_soon_threadsafe(opening.set)
+        assert proceed.wait(10)
+        opened.append(_OpenedRange())
+        return opened[-1]
+
+    policy = transfer.TransferPolicy(8 << 20, 1, asyncio.Semaphore(1), 1)
+    download = asyncio.create_task(
+        transfer.download(open_range, tmp_path / "f", 1000, policy))
+    await asyncio.wait_for(opening.wait(), 10)
+    download.cancel()
+    proceed.set()
+    with pytest.raises(asyncio.CancelledError):
+        await download
+    assert [stream.ended for stream in opened] == ["aborted"]
