@@ -4,6 +4,7 @@ place (the middleware), with their status from one table.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hmac
 import json
@@ -67,8 +68,13 @@ _HTTP_CODES = {
     400: "invalid_request",
     404: "not_found",
     405: "method_not_allowed",
+    408: "request_timeout",
     413: "request_too_large",
 }
+# A request body (at most --max-request-bytes, from a local caller) that has not fully arrived
+# by then never will: the handler stops waiting rather than hold its task open.
+BODY_READ_TIMEOUT_S = 30.0
+
 
 
 def status_of(error: SidecarError) -> int:
@@ -123,13 +129,32 @@ _REQUIRED = {"stage": "adapter_id", "release": "lease_id", "evict": "adapter_id"
              "pin": "adapter_id", "unpin": "adapter_id"}
 
 
+async def _read_body(request: web.Request) -> bytes:
+    if request.content.is_eof():  # the usual case: the body came with the head; no timer
+        return await request.read()
+    try:
+        async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+            return await request.read()
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(reason=f"the request body did not arrive within "
+                                            f"{BODY_READ_TIMEOUT_S:g}s") from None
+    except ConnectionError:
+        # The caller hung up part-way: an answer of our own (which has no one to reach), not
+        # an exception that aiohttp would log as a server error.
+        raise BadRequest("the connection closed before the request body arrived") from None
+
+
 async def _body(request: web.Request, kind: str) -> dict[str, Any]:
     """The JSON object of a request, checked against the endpoint's fields and types."""
     if request.content_type != "application/json":
         # Strict on purpose: a browser cannot send this type cross-site without a preflight.
         raise BadRequest(f"send JSON with 'Content-Type: application/json', not "
                          f"{request.content_type!r}")
-    raw = await request.read()
+    declared = request.content_length
+    if declared is not None and declared > request.app[SERVICES].settings.max_request_bytes:
+        raise web.HTTPRequestEntityTooLarge(  # at once, not after reading up to the cap
+            max_size=request.app[SERVICES].settings.max_request_bytes, actual_size=declared)
+    raw = await _read_body(request)
     try:
         body = json.loads(raw or b"null")
     except (ValueError, RecursionError):

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import http.client
 import json
+import logging
 import os
 import re
 import secrets
@@ -24,6 +25,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from sidecar import api
 from sidecar.__main__ import build_parser, settings_from
 from sidecar.app import Sidecar
 from sidecar.config import Settings
@@ -258,6 +260,67 @@ async def test_huge_or_too_many_headers_are_refused_with_4xx(
 
     assert re.match(rb"HTTP/1\.[01] 4\d\d ", status_line), status_line
     assert (await call(http, "GET", f"{sidecar.url}/healthz"))[0] == 200
+
+
+async def raw_answer(port: int, head: bytes, body_part: bytes = b"") -> tuple[int, dict[str, Any]]:
+    """Send a request head and only part of its body; return the answer's status and JSON."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head + body_part)
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), 10)
+        length = 0
+        while (line := await asyncio.wait_for(reader.readline(), 10)) not in (b"\r\n", b""):
+            name, _, value = line.decode().partition(":")
+            if name.lower() == "content-length":
+                length = int(value)
+        payload = await asyncio.wait_for(reader.readexactly(length), 10)
+        return int(status_line.split()[1]), json.loads(payload)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+def _stage_head(content_length: int) -> bytes:
+    return (b"POST /stage HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % content_length)
+
+
+async def test_a_declared_body_over_the_cap_is_413_before_any_of_it_is_read(
+    tmp_path: Path, start_sidecar: StartSidecar
+) -> None:
+    sidecar = await start_sidecar(make_settings(tmp_path, max_request_bytes=4096))
+    # 10 MB announced and a few bytes sent: the answer comes from the header alone.
+    status, body = await raw_answer(sidecar.port, _stage_head(10_000_000), b'{"adapter_id"')
+    assert status == 413, body
+    assert body["error"] == "request_too_large" and "4096" in body["message"]
+
+
+async def test_a_body_that_stops_arriving_is_408_json(
+    tmp_path: Path, start_sidecar: StartSidecar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(api, "BODY_READ_TIMEOUT_S", 0.5)
+    sidecar = await start_sidecar(make_settings(tmp_path))
+    status, body = await raw_answer(sidecar.port, _stage_head(100), b'{"adapter_id": ')
+    assert status == 408, body
+    assert body["error"] == "request_timeout" and "0.5s" in body["message"]
+
+
+async def test_a_caller_hanging_up_mid_body_is_no_error_and_the_sidecar_keeps_serving(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    local_registry_adapter(tmp_path, "a")
+    sidecar = await start_sidecar(make_settings(tmp_path))
+    for _ in range(3):
+        _, writer = await asyncio.open_connection("127.0.0.1", sidecar.port)
+        writer.write(_stage_head(100) + b'{"adapter_id": ')
+        await writer.drain()
+        await asyncio.sleep(0.1)  # the handler is now waiting for the rest
+        writer.transport.abort()
+    status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "a"})
+    assert status == 200, body
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 @pytest.mark.parametrize("path, body", [
