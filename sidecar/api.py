@@ -76,7 +76,6 @@ _HTTP_CODES = {
 BODY_READ_TIMEOUT_S = 30.0
 
 
-
 def status_of(error: SidecarError) -> int:
     for cls in type(error).__mro__:
         if cls in STATUS:
@@ -151,9 +150,9 @@ async def _body(request: web.Request, kind: str) -> dict[str, Any]:
         raise BadRequest(f"send JSON with 'Content-Type: application/json', not "
                          f"{request.content_type!r}")
     declared = request.content_length
-    if declared is not None and declared > request.app[SERVICES].settings.max_request_bytes:
-        raise web.HTTPRequestEntityTooLarge(  # at once, not after reading up to the cap
-            max_size=request.app[SERVICES].settings.max_request_bytes, actual_size=declared)
+    limit = request.app[SERVICES].settings.max_request_bytes
+    if declared is not None and declared > limit:  # at once, not after reading up to the cap
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=declared)
     raw = await _read_body(request)
     try:
         body = json.loads(raw or b"null")

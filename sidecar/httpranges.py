@@ -98,7 +98,7 @@ class RangeReader:
                 conn.close()
                 if reused and not isinstance(exc, TimeoutError):
                     continue  # the server closed an idle connection: not the registry's fault
-                raise self._fault(exc) from exc
+                raise self.fault(exc) from exc
             return self._check(conn, response, start, end)
         raise AssertionError("unreachable")
 
@@ -146,9 +146,7 @@ class RangeReader:
                           adapter_id=self._adapter_id, cause="refused")
 
     def fault(self, exc: BaseException) -> SidecarError:
-        return self._fault(exc)
-
-    def _fault(self, exc: BaseException) -> SidecarError:
+        """The registry fault that an error of the connection or the HTTP layer means."""
         self._on_error()
         if isinstance(exc, TimeoutError):
             return SourceUnavailable(f"the registry did not answer in time for "
