@@ -1,6 +1,14 @@
 """Send one prompt to Triton's multilora_router over gRPC and print the generated text.
 
-    python compose/client.py --adapter-id example-sql-v1 --prompt "List the tables"
+Needs tritonclient with its gRPC part and numpy. In this repository's venv (the one `make run`
+creates, which has only the HTTP part) add the `triton` extra once:
+
+    .venv/bin/pip install -e '.[triton]'
+
+elsewhere `pip install 'tritonclient[grpc]' numpy`. Then, against the compose node with an adapter
+uploaded from compose/adapters/<adapter id>/ (compose/README.md):
+
+    .venv/bin/python compose/client.py --adapter-id support-v1 --prompt "How do I reset my password?"
 """
 
 from __future__ import annotations
@@ -19,6 +27,11 @@ DEFAULT_URL = "localhost:8001"
 # 300 s (its config.pbtxt), so wait a little longer than that by default.
 DEFAULT_TIMEOUT_S = 360.0
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+MISSING_GRPC = (
+    "tritonclient's gRPC support is not installed in this Python ({python}). In this "
+    "repository's venv: .venv/bin/pip install -e '.[triton]'; elsewhere: "
+    "pip install 'tritonclient[grpc]' numpy"
+)
 # What gRPC says when nothing answers at the address (as opposed to the router's own
 # UNAVAILABLE answers, such as "sidecar unreachable").
 _CONNECTION_FAILURES = ("failed to connect", "connection refused", "dns resolution failed",
@@ -29,6 +42,20 @@ class TritonUnreachable(Exception):
     """Nothing answered gRPC at the URL."""
 
 
+class GrpcMissing(Exception):
+    """tritonclient is installed without its gRPC part (the `http` extra alone)."""
+
+
+def _grpc_client() -> Any:
+    try:
+        import tritonclient.grpc as grpcclient
+    # tritonclient raises RuntimeError ("The installation does not include grpc support") when
+    # only its http extra is installed; ImportError when it is not installed at all.
+    except (ImportError, RuntimeError) as exc:
+        raise GrpcMissing(MISSING_GRPC.format(python=sys.executable)) from exc
+    return grpcclient
+
+
 def generate(
     url: str,
     adapter_id: str,
@@ -37,8 +64,9 @@ def generate(
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> str:
     """The router's generated_text. Raises TritonUnreachable, or the router's error as
-    tritonclient's InferenceServerException (status() and message() say what happened)."""
-    import tritonclient.grpc as grpcclient
+    tritonclient's InferenceServerException (status() and message() say what happened);
+    GrpcMissing when this Python lacks tritonclient's gRPC part."""
+    grpcclient = _grpc_client()
     from tritonclient.utils import InferenceServerException
 
     def text_input(name: str, value: str) -> Any:
@@ -96,6 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not isinstance(sampling, dict):
             print("error: --sampling-parameters must be a JSON object", file=sys.stderr)
             return EXIT_USAGE
+    try:
+        _grpc_client()
+    except GrpcMissing as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     from tritonclient.utils import InferenceServerException
 
     try:

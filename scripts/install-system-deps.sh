@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Debian packages the tests need: a real Prometheus (and promtool), a Compose parser, and
-# mount (the disk tests give the cache a tmpfs of its own).
+# mount (the disk tests give the cache a tmpfs of its own); a Docker engine and debootstrap for
+# the compose test, which starts the node for real from images it builds on a local Debian base.
 # Installs only what is missing; needs root or sudo the first time.
 set -euo pipefail
 
@@ -9,6 +10,11 @@ command -v prometheus >/dev/null || missing+=(prometheus)
 command -v promtool >/dev/null || missing+=(prometheus)
 command -v docker-compose >/dev/null || missing+=(docker-compose)
 command -v mount >/dev/null || missing+=(mount)  # the disk tests mount a tmpfs of their own
+# Debian's engine (dockerd 20.10, containerd, runc) and its client, whose BuildKit builds with
+# secrets; a `docker` client elsewhere on PATH (a static one without buildx) is not enough.
+[ -x /usr/sbin/dockerd ] && [ -x /usr/bin/docker ] || missing+=(docker.io)
+# The compose test's base image is a minimal Debian made from packages (no registry is needed).
+[ -x /usr/sbin/debootstrap ] || missing+=(debootstrap)
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 sudo=""
