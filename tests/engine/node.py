@@ -84,6 +84,11 @@ class EngineNode:
     bucket: str
     engine_load_s: float
     sidecar_args: list[str]
+    sidecar_env: dict[str, str]
+    triton_env: dict[str, str]
+    vllm_backend: Path
+    engine_args: dict[str, Any]
+    triton_starts: int = 0
     memory_samples: list[int] = field(default_factory=list)
 
     # ---- the registry -------------------------------------------------------------------
@@ -208,6 +213,29 @@ class EngineNode:
         self.memory_samples.append(rss)
         return rss
 
+    def restart_sidecar(self, extra_args: Sequence[str] = ()) -> None:
+        """Stop the sidecar and start it again on the same port and cache (the router keeps
+        its URL); `extra_args` are added to its command line."""
+        self.sidecar.stop()
+        self.sidecar = SidecarProcess([*self.sidecar_args, *extra_args],
+                                      self.workdir / "sidecar.log", env=self.sidecar_env,
+                                      port=self.sidecar.port)
+
+    def restart_triton(self) -> None:
+        """Stop Triton (its engine processes killed) and start it again on the same ports and
+        model repository settings; vllm_model is loaded again by the sidecar's next sync (or
+        by the test), the router here."""
+        ports = (self.server.http_port, self.server.grpc_port)
+        self.server.stop()
+        self.triton_starts += 1
+        self.server = TritonServer.start(
+            self.workdir / f"triton-{self.triton_starts}", self.cache_root / "multi_lora.json",
+            env=self.triton_env, vllm_backend=self.vllm_backend,
+            python_venv=self.assets.env.venv, engine_args=self.engine_args, ports=ports)
+
+    def load_router(self) -> None:
+        self.server.load(ROUTER, router_config(self.sidecar.url, instances=ROUTER_INSTANCES))
+
     def stop(self) -> None:
         self.sidecar.stop()
         self.server.stop()
@@ -226,12 +254,11 @@ def start_node(assets: EngineAssets, workdir: Path, moto_url: str, vllm_backend:
     client = _s3(moto_url)
     client.create_bucket(Bucket=bucket)
     client.close()
+    server_env = {**ENGINE_ENV, **(triton_env or {})}
+    server_args = engine_args(assets.base, **(engine_overrides or {}))
     server = TritonServer.start(
-        workdir / "triton", cache_root / "multi_lora.json",
-        env={**ENGINE_ENV, **(triton_env or {})}, vllm_backend=vllm_backend,
-        python_venv=assets.env.venv,
-        engine_args=engine_args(assets.base, **(engine_overrides or {})),
-    )
+        workdir / "triton", cache_root / "multi_lora.json", env=server_env,
+        vllm_backend=vllm_backend, python_venv=assets.env.venv, engine_args=server_args)
     sidecar: SidecarProcess | None = None
     try:
         args = [
@@ -250,9 +277,9 @@ def start_node(assets: EngineAssets, workdir: Path, moto_url: str, vllm_backend:
                "AWS_EC2_METADATA_DISABLED": "true"}
         sidecar = SidecarProcess(args, workdir / "sidecar.log", env=env)
         node = EngineNode(assets, server, sidecar, workdir, cache_root, moto_url, bucket, 0.0,
-                          list(args))
+                          list(args), env, server_env, vllm_backend, server_args)
         node.engine_load_s = node.wait_catalog_loaded()
-        server.load(ROUTER, router_config(sidecar.url, instances=ROUTER_INSTANCES))
+        node.load_router()
         return node
     except BaseException:
         if sidecar is not None:

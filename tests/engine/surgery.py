@@ -68,3 +68,11 @@ def non_finite(source: Path, dest: Path, value: float, half: str = "B") -> Path:
     copy_adapter(source, dest)
     edit_tensors(dest, with_value(value, half))
     return dest
+
+
+def variant(source: Path, dest: Path, lora_alpha: float) -> Path:
+    """A good adapter of its own from a good one: the same tensors at another scale (its own
+    text; get it with EngineAssets.references)."""
+    copy_adapter(source, dest)
+    edit_config(dest, lora_alpha=lora_alpha)
+    return dest

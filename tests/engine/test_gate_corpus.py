@@ -45,7 +45,8 @@ from tests.engine.surgery import (
 
 pytestmark = pytest.mark.engine
 
-CONTROL = "tenant-0"  # the known-good adapter asked right after each case
+CONTROL = "tenant-0"
+WEIGHT_SCALE = 0.1  # the known-good adapter asked right after each case
 # Cases the gate refuses by policy even where this engine serves them correctly, and why.
 POLICY = {
     "header_leading_whitespace": "safetensors header ambiguity: the format says it starts "
@@ -71,6 +72,7 @@ class Case:
     name: str
     folder: Path
     policy: str | None = None
+    base_model: str | None = None  # validate with --base-model
 
 
 def _surgery_cases(assets: EngineAssets, root: Path) -> list[Case]:
@@ -102,12 +104,13 @@ def corpus(assets: EngineAssets, root: Path) -> list[Case]:
     cases = [Case(name, assets.adapter(name)) for name in GOOD_ADAPTERS
              if not name.startswith("tenant-") or name == "tenant-1"]
     cases += [Case(name, assets.adapter(name)) for name in PEFT_CASES]
-    with broken_adapters.written_for(ENGINE_MODEL):
+    # Weights strong enough that a module served with the wrong scale changes the text.
+    with broken_adapters.written_for(ENGINE_MODEL, scale=WEIGHT_SCALE):
         for broken in broken_adapters.CORPUS:
             folder = root / broken.name
             folder.mkdir(parents=True)
             broken.write(folder)
-            cases.append(Case(broken.name, folder, POLICY.get(broken.name)))
+            cases.append(Case(broken.name, folder, POLICY.get(broken.name), broken.base_model))
     cases += _surgery_cases(assets, root / "surgery")
     return cases
 
@@ -134,12 +137,14 @@ def engine_verdict(facts: dict[str, Any], reference: Reference, control: str) ->
     return "served correctly", repr(facts["text"])
 
 
-def gate_verdict(folder: Path, base_config: Path) -> list[str]:
+def gate_verdict(case: Case, base_config: Path) -> list[str]:
     """The problem codes `lora-sidecar validate` reports ([] when it accepts)."""
     out = io.StringIO()
+    extra = ["--base-model", case.base_model] if case.base_model else []
     with contextlib.redirect_stdout(out):
         code = sidecar_main(["validate", "--json", "--max-lora-rank", str(MAX_LORA_RANK),
-                             "--base-model-config", str(base_config), str(folder)])
+                             "--base-model-config", str(base_config), *extra,
+                             str(case.folder)])
     verdict = json.loads(out.getvalue())
     assert code == (0 if verdict["valid"] else 1), (code, verdict)
     return sorted({problem["code"] for problem in verdict["problems"]})
@@ -175,7 +180,7 @@ def test_the_gate_refuses_what_the_engine_cannot_serve_and_accepts_what_it_serve
     for case in cases:
         verdict, detail = engine_verdict(facts[case.name], references.get(case.name, no_config),
                                          control)
-        codes = gate_verdict(case.folder, engine_assets.base_config)
+        codes = gate_verdict(case, engine_assets.base_config)
         gate = "refused: " + ", ".join(codes) if codes else "accepted"
         if verdict == "served correctly":
             agree = not codes if case.policy is None else bool(codes)

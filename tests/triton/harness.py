@@ -117,10 +117,12 @@ class TritonServer:
     def start(cls, workdir: Path, catalog_path: Path, *, env: Mapping[str, str] | None = None,
               ready_timeout_s: float = 60.0, vllm_backend: Path | None = None,
               python_venv: Path | None = None,
-              engine_args: Mapping[str, Any] | None = None) -> TritonServer:
+              engine_args: Mapping[str, Any] | None = None,
+              ports: tuple[int, int] | None = None) -> TritonServer:
         """`vllm_backend`: the stock backend's folder (else the stand-in); `python_venv`: the
         environment the Python models run in (else this interpreter's); `engine_args`: the
-        model.json of vllm_model (else the checked-in one)."""
+        model.json of vllm_model (else the checked-in one); `ports`: (HTTP, gRPC), for a restart
+        where clients expect the server."""
         backends = build_backends(workdir / "backends", vllm_backend)
         repository = copy_model_repository(workdir / "model_repository", catalog_path,
                                            engine_args)
@@ -148,7 +150,7 @@ class TritonServer:
             p for p in (str(libs), libdir, child_env.get("LD_LIBRARY_PATH")) if p
         )
         child_env.update(env or {})
-        http_port, grpc_port = free_port(), free_port()
+        http_port, grpc_port = ports or (free_port(), free_port())
         log_path = workdir / "tritonserver.log"
         with log_path.open("wb") as log:
             process = subprocess.Popen(
