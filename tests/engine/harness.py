@@ -31,6 +31,7 @@ CHECKED_IN_ENGINE_ARGS = REPO_ROOT / "triton_repo" / "vllm_model" / "1" / "model
 BACKEND_TAG = "r26.01"
 BACKEND_REPO = "https://github.com/triton-inference-server/vllm_backend.git"
 BACKEND_CLONE_TIMEOUT_S = 30.0
+VENDORED_BACKEND = REPO_ROOT.parent / "shared" / "vendor" / "vllm_backend"
 
 # The base model every engine test serves: a random Llama small enough for a 2-core CPU, with
 # vLLM's CPU attention (head sizes of 32 and up).
@@ -199,7 +200,8 @@ def _backend_in(folder: Path) -> Path | None:
     return None
 
 
-def find_vllm_backend(clone_into: Path) -> BackendLookup:
+def find_vllm_backend(clone_into: Path, vendored: Path = VENDORED_BACKEND,
+                      repository: str = BACKEND_REPO) -> BackendLookup:
     """Where a user would have the stock backend: TRITON_VLLM_BACKEND_DIR, then the vendored
     copy beside the repository, then a shallow clone of the tag (bounded in time)."""
     lookup = BackendLookup(None)
@@ -213,7 +215,6 @@ def find_vllm_backend(clone_into: Path) -> BackendLookup:
             return lookup
     else:
         lookup.tried.append("TRITON_VLLM_BACKEND_DIR: not set")
-    vendored = REPO_ROOT.parent / "shared" / "vendor" / "vllm_backend"
     found = _backend_in(vendored)
     lookup.tried.append(f"{vendored}: " + ("found" if found else "absent"))
     if found:
@@ -225,7 +226,7 @@ def find_vllm_backend(clone_into: Path) -> BackendLookup:
         try:
             result = subprocess.run(
                 ["git", "clone", "--quiet", "--depth", "1", "--branch", BACKEND_TAG,
-                 BACKEND_REPO, str(target)],
+                 repository, str(target)],
                 capture_output=True, text=True, timeout=BACKEND_CLONE_TIMEOUT_S,
                 env={**os.environ, "GIT_TERMINAL_PROMPT": "0"},
             )
@@ -233,7 +234,7 @@ def find_vllm_backend(clone_into: Path) -> BackendLookup:
             outcome = f"exit {result.returncode} {' '.join(detail)}".strip()
         except (OSError, subprocess.TimeoutExpired) as exc:
             outcome = f"{type(exc).__name__}: {exc}"
-        lookup.tried.append(f"git clone --branch {BACKEND_TAG} {BACKEND_REPO}: {outcome}")
+        lookup.tried.append(f"git clone --branch {BACKEND_TAG} {repository}: {outcome}")
     lookup.path = _backend_in(target)
     return lookup
 
