@@ -387,9 +387,10 @@ def install_stock_backend(source: Path, dest: Path) -> None:
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
 
 
-def engine_processes(leader: int) -> list[int]:
-    """Processes of a session named like vLLM's engine children (VLLM::EngineCore)."""
-    found = []
+def engine_processes(leader: int) -> dict[int, str]:
+    """Processes of a session named like vLLM's engine children (VLLM::EngineCore, ...), with
+    their names."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -400,7 +401,7 @@ def engine_processes(leader: int) -> list[int]:
             continue
         fields = stat.rsplit(")", 1)[-1].split()
         if int(fields[3]) == leader and "VLLM" in comm:  # fields[3]: the session id
-            found.append(int(entry.name))
+            found[int(entry.name)] = comm.strip()
     return found
 
 

@@ -205,7 +205,8 @@ class EngineNode:
 
     # ---- the engine's processes ---------------------------------------------------------
 
-    def engine_pids(self) -> list[int]:
+    def engine_pids(self) -> dict[int, str]:
+        """vLLM's engine processes under Triton: pid -> name (VLLM::EngineCore)."""
         return engine_processes(self.server.process.pid)
 
     def sample_memory(self) -> int:

@@ -43,7 +43,7 @@ from tests.engine.surgery import (
     non_finite,
 )
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
 CONTROL = "tenant-0"
 WEIGHT_SCALE = 0.1  # the known-good adapter asked right after each case
