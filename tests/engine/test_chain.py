@@ -24,7 +24,7 @@ from tritonclient.utils import InferenceServerException
 from tests.engine.harness import GOOD_ADAPTERS, PROMPT, EngineAssets
 from tests.engine.node import EngineNode, status_of
 from tests.engine.surgery import copy_adapter, edit_config, non_finite
-from tests.triton.harness import VLLM_MODEL
+from tests.triton.harness import TRITON_REPO, VLLM_MODEL
 
 # An engine load takes tens of seconds, a reload with two engines on 2 cores more.
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -250,11 +250,22 @@ def test_a_nan_adapter_is_refused_and_the_next_tenants_answer_is_intact(
 # ---- last: a dead engine -------------------------------------------------------------------
 
 
-def test_a_dead_engine_leaves_the_model_ready_and_fails_every_request(
+def _health_check_enabled() -> bool:
+    """Whether the checked-in vllm_model config turns on the stock backend's health check."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = model_config_pb2.ModelConfig()
+    text_format.Parse((TRITON_REPO / VLLM_MODEL / "config.pbtxt").read_text(), config)
+    parameter = config.parameters.get("ENABLE_VLLM_HEALTH_CHECK")
+    return parameter is not None and parameter.string_value.lower() == "true"
+
+
+def test_a_dead_engine_as_the_stock_backend_shows_it(
     node: EngineNode, engine_figures: dict[str, str]
 ) -> None:
     node.ask("tenant-0")
-    engines = node.engine_pids()
+    engines = [pid for pid, name in node.engine_pids().items() if "EngineCore" in name]
     assert engines
     for pid in engines:
         os.kill(pid, signal.SIGKILL)
@@ -262,13 +273,23 @@ def test_a_dead_engine_leaves_the_model_ready_and_fails_every_request(
 
     with pytest.raises(InferenceServerException) as direct:
         node.vllm_stream("tenant-0")
+    engine_figures["dead engine, direct vllm_model call"] = (
+        f"{status_of(direct.value)}: {(direct.value.message() or '')[:160]}")
+
+    if _health_check_enabled():
+        # The backend checks the engine before each request, answers UNAVAILABLE and unloads
+        # the model by itself.
+        assert status_of(direct.value) == "UNAVAILABLE"
+        assert "unhealthy vLLM engine" in (direct.value.message() or "")
+        return
+    # Without the check the model stays READY while every request fails, and a load with
+    # unchanged files does not bring the engine back.
     with pytest.raises(InferenceServerException) as routed:
         node.ask("tenant-0")
-    node.server.load(VLLM_MODEL)  # unchanged files: Triton does nothing
+    node.server.load(VLLM_MODEL)
     with pytest.raises(InferenceServerException):
         node.vllm_stream("tenant-0")
-
+    assert "EngineCore encountered an issue" in (direct.value.message() or "")
     assert node.server.model_states()[VLLM_MODEL] == "READY"
-    engine_figures["dead engine, direct vllm_model call"] = (direct.value.message() or "")[:160]
     engine_figures["dead engine, router call"] = (
         f"{status_of(routed.value)}: {(routed.value.message() or '')[:160]}")
