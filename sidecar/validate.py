@@ -302,16 +302,20 @@ def _check_coverage(config: LoraConfig, module_paths: set[str], rules: Rules) ->
         problems.append(_tensor_problem("tensor_module_not_targeted", f"{_listed(untargeted)} "
                                         "hold LoRA tensors, but target_modules does not name "
                                         "them: vLLM would apply them, PEFT never trained them"))
+    # A module the config targets that no tensor carries at all: an export that lost it. (A
+    # module present in some layers only is left alone: PEFT initialises the others as no-ops.)
+    carried = {p.rsplit(".", 1)[-1] for p in module_paths}
     if rules.shapes is not None:
-        candidates = [f"model.layers.{layer}.{'self_attn' if m in ATTENTION_MODULES else 'mlp'}"
-                      f".{m}" for layer in range(rules.shapes.num_hidden_layers)
-                      for m in sorted(rules.allowed_target_modules)
-                      if rules.shapes.module_dims(m) is not None]
-        lacking = [c for c in candidates if config.targets_module(c) and c not in module_paths]
+        layout = {m: [f"model.layers.{layer}."
+                      f"{'self_attn' if m in ATTENTION_MODULES else 'mlp'}.{m}"
+                      for layer in range(rules.shapes.num_hidden_layers)]
+                  for m in sorted(rules.allowed_target_modules)
+                  if rules.shapes.module_dims(m) is not None}
+        lacking = [m for m, paths in layout.items()
+                   if m not in carried and any(config.targets_module(p) for p in paths)]
     elif config.targets is not None and config.targets.regex is None:
-        # Without the base model's layout, only a name no tensor carries can be told.
-        lacking = [n for n in config.targets.names
-                   if not any(p == n or p.endswith("." + n) for p in module_paths)]
+        # Without the base model's layout, only a listed name no tensor carries can be told.
+        lacking = [n for n in config.targets.names if n.rsplit(".", 1)[-1] not in carried]
     else:
         lacking = []
     if lacking:
