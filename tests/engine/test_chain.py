@@ -89,6 +89,18 @@ def test_eight_concurrent_calls_over_four_adapters_with_room_for_two(
     node.sample_memory()
 
 
+def test_a_load_with_unchanged_files_keeps_the_running_engine(node: EngineNode) -> None:
+    before = {pid: name for pid, name in node.engine_pids().items() if "EngineCore" in name}
+
+    started = time.monotonic()
+    node.server.load(VLLM_MODEL)
+    seconds = time.monotonic() - started
+    after = {pid: name for pid, name in node.engine_pids().items() if "EngineCore" in name}
+
+    assert before and after == before, node.engine_pids()
+    assert seconds < 5, seconds  # nothing was loaded: an engine start takes tens of seconds
+
+
 # ---- the stock backend's contract, asserted on the real backend ----------------------------
 
 
@@ -153,18 +165,6 @@ def test_the_backend_reads_its_catalog_once_per_load(node: EngineNode) -> None:
 
     assert "ghost" not in listed
     assert listed == list(catalog)
-
-
-def test_a_load_with_unchanged_files_keeps_the_running_engine(node: EngineNode) -> None:
-    before = {pid: name for pid, name in node.engine_pids().items() if "EngineCore" in name}
-
-    started = time.monotonic()
-    node.server.load(VLLM_MODEL)
-    seconds = time.monotonic() - started
-    after = {pid: name for pid, name in node.engine_pids().items() if "EngineCore" in name}
-
-    assert before and after == before, node.engine_pids()
-    assert seconds < 5, seconds  # nothing was loaded: an engine start takes tens of seconds
 
 
 # ---- adapters that arrive later -----------------------------------------------------------
