@@ -5,10 +5,10 @@ creates, which has only the HTTP part) add the `triton` extra once:
 
     .venv/bin/pip install -e '.[triton]'
 
-elsewhere `pip install 'tritonclient[grpc]' numpy`. Then, against the compose node with an adapter
-uploaded from compose/adapters/<adapter id>/ (compose/README.md):
+elsewhere `pip install 'tritonclient[grpc]' numpy`. Then, against the compose node of
+compose/README.md's first start (Qwen3-0.6B with the adapter compose/adapters/alice-v1/):
 
-    .venv/bin/python compose/client.py --adapter-id support-v1 --prompt "How do I reset my password?"
+    .venv/bin/python compose/client.py --adapter-id alice-v1 --prompt "Hello, my name is"
 """
 
 from __future__ import annotations

@@ -275,6 +275,21 @@ class ComposeProject:
         networks = self.docker.inspect(self.container(service))["NetworkSettings"]["Networks"]
         return str(next(iter(networks.values()))["IPAddress"])
 
+    def events(self, since: float) -> list[tuple[int, str, str]]:
+        """(time in ns, service, action) of the project's container events since a time:
+        create, start, die, `health_status: healthy`, ... in the order the engine saw them."""
+        out = self.docker.run(
+            "events", "--since", f"{since:.3f}", "--until", f"{time.time():.3f}",
+            "--filter", "type=container",
+            "--filter", f"label=com.docker.compose.project={self.name}",
+            "--format", "{{json .}}").stdout
+        events = []
+        for line in out.splitlines():
+            event = json.loads(line)
+            service = event["Actor"]["Attributes"].get("com.docker.compose.service", "")
+            events.append((int(event["timeNano"]), service, str(event["Action"])))
+        return sorted(events)
+
     def logs(self, service: str, tail: int = 80) -> str:
         return self.run("logs", "--no-color", "--tail", str(tail), service, check=False).stdout
 
