@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,10 @@ DEFAULT_URL = "localhost:8001"
 # A cold adapter is downloaded before generation starts; the router's own stage timeout is
 # 300 s (its config.pbtxt), so wait a little longer than that by default.
 DEFAULT_TIMEOUT_S = 360.0
+# The router answers UNAVAILABLE for what passes by itself (the catalog Triton has loaded does
+# not list the adapter yet, a reload in progress, the sidecar restarting): worth waiting for.
+DEFAULT_WAIT_S = 120.0
+_BACKOFF_S = (1.0, 2.0, 3.0, 5.0)
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 MISSING_GRPC = (
     "tritonclient's gRPC support is not installed in this Python ({python}). In this "
@@ -96,6 +101,39 @@ def generate(
     return answer.decode("utf-8") if isinstance(answer, bytes) else str(answer)
 
 
+def _is_unavailable(exc: Any) -> bool:
+    return "unavailable" in str(exc.status()).lower()
+
+
+def generate_waiting(
+    url: str,
+    adapter_id: str,
+    prompt: str,
+    sampling_parameters: dict[str, Any] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    wait_s: float = DEFAULT_WAIT_S,
+    on_retry: Any = None,
+) -> str:
+    """generate(), asked again with backoff while the router answers UNAVAILABLE, for up to
+    `wait_s` seconds in all; `on_retry(message, remaining_s)` is called before each wait."""
+    from tritonclient.utils import InferenceServerException
+
+    deadline = time.monotonic() + wait_s
+    attempt = 0
+    while True:
+        try:
+            return generate(url, adapter_id, prompt, sampling_parameters, timeout_s)
+        except InferenceServerException as exc:
+            remaining_s = deadline - time.monotonic()
+            if not _is_unavailable(exc) or remaining_s <= 0:
+                raise
+            pause_s = min(_BACKOFF_S[min(attempt, len(_BACKOFF_S) - 1)], remaining_s)
+            if on_retry is not None:
+                on_retry(exc.message(), remaining_s)
+            time.sleep(pause_s)
+            attempt += 1
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=f"Generate text with one LoRA adapter through Triton's {MODEL}.")
@@ -107,8 +145,13 @@ def _parser() -> argparse.ArgumentParser:
                         help='vLLM sampling parameters, e.g. \'{"max_tokens": 64}\' '
                              "(default: temperature 0, max_tokens 256)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                        help=f"longest wait, a cold adapter's download included "
+                        help=f"longest wait for one answer, a cold adapter's download included "
                              f"(default {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--wait", type=float, default=DEFAULT_WAIT_S, metavar="SECONDS",
+                        help="while the router answers UNAVAILABLE (the adapter not in the "
+                             "catalog Triton has loaded yet, a reload, the sidecar restarting), "
+                             f"ask again for up to this long; 0 to fail at once "
+                             f"(default {DEFAULT_WAIT_S:g})")
     return parser
 
 
@@ -131,8 +174,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     from tritonclient.utils import InferenceServerException
 
+    if args.wait < 0 or args.timeout <= 0:
+        print("error: --wait must be 0 or more and --timeout more than 0", file=sys.stderr)
+        return EXIT_USAGE
+
+    def retrying(message: str, remaining_s: float) -> None:
+        print(f"waiting: UNAVAILABLE: {message} (asking again for up to {remaining_s:.0f} s)",
+              file=sys.stderr)
+
     try:
-        print(generate(args.url, args.adapter_id, args.prompt, sampling, args.timeout))
+        print(generate_waiting(args.url, args.adapter_id, args.prompt, sampling, args.timeout,
+                               args.wait, retrying))
     except TritonUnreachable as exc:
         print(f"error: cannot reach Triton's gRPC endpoint at {args.url} ({exc}); is Triton "
               "running, and is --url its gRPC port (8001 by default)?", file=sys.stderr)
