@@ -89,7 +89,7 @@ class LocalSource:
 
     async def fetch(
         self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None],
-        *, inspect: Inspector | None = None,
+        *, inspect: Inspector | None = None, sha256: bool = False,
     ) -> FetchedFile:
         try:
             fd = await open_in_thread(self._policy.executor, file.locator,
@@ -115,8 +115,8 @@ class LocalSource:
 
         # The download closes the registry file once no worker thread reads it.
         digests = await download(open_range, dest, file.size_bytes, self._policy, on_bytes,
-                                 inspect=inspect, owned_fds=(fd,))
-        return FetchedFile(crc32_hex(digests.crc32), None)
+                                 sha256=sha256, inspect=inspect, owned_fds=(fd,))
+        return FetchedFile(crc32_hex(digests.crc32), digests.sha256)
 
 
 class _FileRange:

@@ -73,9 +73,10 @@ class AdapterSource(Protocol):
 
     async def fetch(
         self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None],
-        *, inspect: Inspector | None = None,
+        *, inspect: Inspector | None = None, sha256: bool = False,
     ) -> FetchedFile:
-        """Download one file; `inspect` sees its bytes as they land (the value check)."""
+        """Download one file; `inspect` sees its bytes as they land (the value check);
+        `sha256` asks for their SHA-256 (to check a SHA256SUMS) even if the registry has none."""
         ...
 
     async def probe(self) -> None:
@@ -204,7 +205,7 @@ class S3Source:
 
     async def fetch(
         self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None],
-        *, inspect: Inspector | None = None,
+        *, inspect: Inspector | None = None, sha256: bool = False,
     ) -> FetchedFile:
         # One signature for the ranges of the file, signed again when it grows old or the
         # registry says it expired (short-lived credentials); the ranges are plain HTTP.
@@ -212,8 +213,14 @@ class S3Source:
         loop = asyncio.get_running_loop()
 
         def sign() -> str:  # from a worker thread: the loop signs
-            return asyncio.run_coroutine_threadsafe(
-                self._presign(adapter_id, file), loop).result(self._call_timeout_s)
+            signing = asyncio.run_coroutine_threadsafe(self._presign(adapter_id, file), loop)
+            try:
+                return signing.result(self._call_timeout_s)
+            except TimeoutError:
+                signing.cancel()
+                raise SourceUnavailable(f"signing a URL for {file.locator} took longer than "
+                                        f"{self._call_timeout_s:g}s", adapter_id=adapter_id,
+                                        cause="timeout") from None
 
         reader = RangeReader(self._pool, url, sign, file.etag, file.size_bytes,
                              f"s3://{self.bucket}/{file.locator}", adapter_id,
@@ -227,8 +234,9 @@ class S3Source:
 
         def answer(head: asyncio.Task[Any]) -> None:
             if not wants_sha256.done():  # a cancelled download cancelled its waiter already
-                wants_sha256.set_result(not head.cancelled() and head.exception() is None
-                                        and _checksum(head.result(), "SHA256") is not None)
+                wants_sha256.set_result(sha256 or (
+                    not head.cancelled() and head.exception() is None
+                    and _checksum(head.result(), "SHA256") is not None))
 
         head_task.add_done_callback(answer)
         try:
