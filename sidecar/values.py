@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import logging
 import os
 import struct
 import threading
@@ -26,6 +27,8 @@ from typing import Any
 import numpy as np
 
 from .safetensors_check import HEADER_MAX_BYTES, TensorInfo, parse_header
+
+log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1024 * 1024  # reads of a file on disk, into one reused buffer
 # How long a part that arrives first waits for the header (carried by the first part, which
@@ -239,6 +242,8 @@ class ValueScan:
                 offset += length
         with self._lock:
             edges, self._edges = sorted(self._edges), set()
+        log.debug("value scan: %d bytes in %d ranges and %d cut elements read back",
+                  sum(length for _, length in deferred), len(deferred), len(edges))
         for element in edges:
             found = layout.element_at(element)
             if found is not None:
