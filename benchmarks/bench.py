@@ -138,15 +138,29 @@ def alternatives(ctx: Context, server: S3Server) -> list[Stager]:
     ]
 
 
-def start_sidecar(ctx: Context, server: S3Server) -> SidecarStager:
+def start_sidecar(ctx: Context, server: S3Server, source: Path | None = None,
+                  label: str | None = None) -> SidecarStager:
+    """The sidecar of this checkout, of `--sidecar-src`, or of `source` (a compared one)."""
     env = dict(ctx.env)
-    if ctx.args.sidecar_src is None:
+    source = source or ctx.args.sidecar_src
+    if source is None:
         command = [str(REPO / ".venv" / "bin" / "lora-sidecar")]
     else:  # another checkout's package, run with this venv's dependencies
         command = [sys.executable, "-P", "-m", "sidecar"]  # -P: not this folder's copy
-        env["PYTHONPATH"] = str(ctx.args.sidecar_src.resolve())
-    return SidecarStager(ctx.sup, command, server, ctx.dest / "sidecar-cache", env,
-                         tuple(ctx.args.sidecar_arg))
+        env["PYTHONPATH"] = str(source.resolve())
+    name = "sidecar" if label is None else f"sidecar ({label})"
+    cache = ctx.dest / ("sidecar-cache" if label is None else f"sidecar-cache-{label}")
+    return SidecarStager(ctx.sup, command, server, cache, env, tuple(ctx.args.sidecar_arg),
+                         name=name)
+
+
+def compared_sidecars(ctx: Context, server: S3Server) -> list[SidecarStager]:
+    """One sidecar per `--compare LABEL=PATH`, staged in the same rounds as this one."""
+    stagers = []
+    for spec in ctx.args.compare:
+        label, _, path = spec.partition("=")
+        stagers.append(start_sidecar(ctx, server, Path(path), label))
+    return stagers
 
 
 def cold_phase(
@@ -158,11 +172,14 @@ def cold_phase(
     if ctx.args.no_sidecar:
         run_cold(ctx, phase, alternatives(ctx, server), results, runs)
         return
-    sidecar = start_sidecar(ctx, server)
+    sidecars = [start_sidecar(ctx, server)]
     try:
-        run_cold(ctx, phase, [sidecar, *alternatives(ctx, server)], results, runs)
+        sidecars += compared_sidecars(ctx, server)
+        others = [] if ctx.args.sidecars_only else alternatives(ctx, server)
+        run_cold(ctx, phase, [*sidecars, *others], results, runs)
     finally:
-        sidecar.close()
+        for sidecar in sidecars:
+            sidecar.close()
 
 
 def read_kib(path: Path, field_name: str) -> int:
@@ -326,6 +343,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "worktree holding a change), run with this venv's dependencies")
     parser.add_argument("--sidecar-arg", action="append", default=[],
                         help="extra `lora-sidecar serve` argument (repeatable), for tuning")
+    parser.add_argument("--compare", action="append", default=[], metavar="LABEL=PATH",
+                        help="also stage with the sidecar package of another checkout, in the "
+                        "same rounds, shown as 'sidecar (LABEL)' (repeatable): side-by-side "
+                        "A/B of a change")
+    parser.add_argument("--sidecars-only", action="store_true",
+                        help="cold phases without the alternative clients (boto3, aws, s5cmd)")
     args = parser.parse_args(argv)
     args.phases = set(args.phases.split(","))
     if args.no_sidecar:

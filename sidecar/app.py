@@ -188,9 +188,12 @@ class Sidecar:
                 return
 
         def check(folder: Path, record: AdapterRecord) -> list[str]:
+            # Tensor values were checked before publication; the weights are re-read (and
+            # their values checked in that pass) only to check a SHA256SUMS the record lacks.
             digests = {name: f.sha256 for name, f in record.files.items() if f.sha256}
             return [f"{p.code} {p.file}: {p.message}"
-                    for p in validate_adapter(folder, self.rules, sha256=digests)]
+                    for p in validate_adapter(folder, self.rules, sha256=digests,
+                                              scan_values=False)]
 
         try:
             records, report = await asyncio.to_thread(store.scan, check)
@@ -273,7 +276,7 @@ class Sidecar:
         if error is None:
             self.health.set("registry", None)
         elif isinstance(error, SourceUnavailable) or getattr(error, "cause", "") in (
-            "credentials", "permission", "bucket",
+            "credentials", "credentials_expired", "clock", "permission", "bucket", "not_s3",
         ):
             self.health.set("registry", error.message)
 

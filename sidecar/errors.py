@@ -120,6 +120,14 @@ class SourceUnavailable(SidecarError):
         return {"cause": self.cause}
 
 
+class RegistryTransient(SourceUnavailable):
+    """The bytes did not arrive intact on any fresh download (a checksum that disagrees with
+    the registry's own, a file that cannot be read back): retryable, and never remembered as a
+    verdict on the adapter."""
+
+    code = "registry_transient"
+
+
 class SourceError(SidecarError):
     """The registry answered, but with a refusal: credentials, permissions, missing bucket."""
 

@@ -29,7 +29,8 @@ from .errors import (
     SourceUnavailable,
 )
 from .httpranges import ConnectionPool, RangeReader
-from .transfer import TransferPolicy, download
+from .proxies import botocore_proxies
+from .transfer import Inspector, TransferPolicy, download
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,12 @@ class AdapterSource(Protocol):
         ...
 
     async def fetch(
-        self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None]
-    ) -> FetchedFile: ...
+        self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None],
+        *, inspect: Inspector | None = None, sha256: bool = False,
+    ) -> FetchedFile:
+        """Download one file; `inspect` sees its bytes as they land (the value check);
+        `sha256` asks for their SHA-256 (to check a SHA256SUMS) even if the registry has none."""
+        ...
 
     async def probe(self) -> None:
         """Raise a SidecarError if the registry cannot be used right now."""
@@ -129,6 +134,8 @@ class S3Source:
             max_pool_connections=8,  # listing, HEAD and signing only; bytes use self._pool
             response_checksum_validation="when_required",
             signature_version="s3v4",  # presigned URLs too (botocore may default to v2)
+            # Never through a proxy for a loopback endpoint; else the usual variables.
+            proxies=botocore_proxies(self._settings.s3_endpoint_url),
         )
         self._client = await self._stack.enter_async_context(
             session.create_client(
@@ -197,14 +204,25 @@ class S3Source:
         return Listing(sorted(files, key=lambda f: f.name), unsafe)
 
     async def fetch(
-        self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None]
+        self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None],
+        *, inspect: Inspector | None = None, sha256: bool = False,
     ) -> FetchedFile:
-        # One signature for every range of the file; the ranges themselves are plain HTTP.
-        url = await self._call("presign", adapter_id, self._client.generate_presigned_url,
-                               ClientMethod="get_object",
-                               Params={"Bucket": self.bucket, "Key": file.locator},
-                               ExpiresIn=PRESIGNED_URL_TTL_S)
-        reader = RangeReader(self._pool, url, file.etag, file.size_bytes,
+        # One signature for the ranges of the file, signed again when it grows old or the
+        # registry says it expired (short-lived credentials); the ranges are plain HTTP.
+        url = await self._presign(adapter_id, file)
+        loop = asyncio.get_running_loop()
+
+        def sign() -> str:  # from a worker thread: the loop signs
+            signing = asyncio.run_coroutine_threadsafe(self._presign(adapter_id, file), loop)
+            try:
+                return signing.result(self._call_timeout_s)
+            except TimeoutError:
+                signing.cancel()
+                raise SourceUnavailable(f"signing a URL for {file.locator} took longer than "
+                                        f"{self._call_timeout_s:g}s", adapter_id=adapter_id,
+                                        cause="timeout") from None
+
+        reader = RangeReader(self._pool, url, sign, file.etag, file.size_bytes,
                              f"s3://{self.bucket}/{file.locator}", adapter_id,
                              lambda: self._on_error("get"))
         # The HEAD brings the registry's own checksums, if it keeps any, while the bytes flow;
@@ -212,17 +230,18 @@ class S3Source:
         head_task = asyncio.create_task(self._call(
             "head", adapter_id, self._client.head_object, Bucket=self.bucket, Key=file.locator,
             IfMatch=file.etag, ChecksumMode="ENABLED"))
-        wants_sha256: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        wants_sha256: asyncio.Future[bool] = loop.create_future()
 
         def answer(head: asyncio.Task[Any]) -> None:
             if not wants_sha256.done():  # a cancelled download cancelled its waiter already
-                wants_sha256.set_result(not head.cancelled() and head.exception() is None
-                                        and _checksum(head.result(), "SHA256") is not None)
+                wants_sha256.set_result(sha256 or (
+                    not head.cancelled() and head.exception() is None
+                    and _checksum(head.result(), "SHA256") is not None))
 
         head_task.add_done_callback(answer)
         try:
             digests = await download(reader.open, dest, file.size_bytes, self._policy, on_bytes,
-                                     sha256=wants_sha256)
+                                     sha256=wants_sha256, inspect=inspect)
             head = await head_task
         finally:
             if not head_task.done():
@@ -231,6 +250,13 @@ class S3Source:
         return FetchedFile(crc32_hex(digests.crc32), digests.sha256,
                            registry_crc32=_checksum(head, "CRC32"),
                            registry_sha256=_checksum(head, "SHA256"))
+
+    async def _presign(self, adapter_id: str, file: RemoteFile) -> str:
+        url: str = await self._call(
+            "presign", adapter_id, self._client.generate_presigned_url,
+            ClientMethod="get_object", Params={"Bucket": self.bucket, "Key": file.locator},
+            ExpiresIn=PRESIGNED_URL_TTL_S)
+        return url
 
     async def _call(
         self, operation: str, adapter_id: str | None, method: Any, **kwargs: Any
@@ -254,8 +280,23 @@ class S3Source:
         if isinstance(exc, bce.ClientError):
             code = str(exc.response.get("Error", {}).get("Code", ""))
             status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-                        "InvalidToken", "TokenRefreshRequired"):
+            if status == 404 and (not code or code.isdigit()) and operation != "head":
+                # S3 answers every 404 but a HEAD's with an XML error naming its code; botocore
+                # gives the bare status as the code when there is none.
+                return SourceError(f"the endpoint {self._endpoint()} answered 404 without an "
+                                   f"S3 error to a {operation} of {where}: is it an S3 "
+                                   "endpoint? Check --s3-endpoint-url", adapter_id=adapter_id,
+                                   cause="not_s3")
+            if code in ("ExpiredToken", "TokenRefreshRequired", "RequestExpired"):
+                return SourceError(f"the registry {where} says the credentials expired "
+                                   f"({code}): check this machine's clock (NTP) and that the "
+                                   "credential source renews short-lived credentials (STS, "
+                                   "IRSA)", adapter_id=adapter_id, cause="credentials_expired")
+            if code == "RequestTimeTooSkewed":
+                return SourceError(f"the registry {where} refused the request: this machine's "
+                                   "clock differs too much from the registry's; check NTP",
+                                   adapter_id=adapter_id, cause="clock")
+            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken"):
                 return SourceError(f"the registry {where} refused the credentials ({code}): "
                                    "check the AWS credential chain", adapter_id=adapter_id,
                                    cause="credentials")
@@ -267,8 +308,9 @@ class S3Source:
                 return SourceError(f"the bucket {self.bucket!r} does not exist at "
                                    f"{self._endpoint()}", adapter_id=adapter_id, cause="bucket")
             if code in ("PreconditionFailed", "NoSuchKey") or status in (404, 412):
-                return SourceChanged(f"an object of {adapter_id} changed or vanished in "
-                                     f"{where} while it was being fetched ({code or status})",
+                what = f"an object of {adapter_id}" if adapter_id else "an object"
+                return SourceChanged(f"{what} changed or vanished in {where} while it was "
+                                     f"being fetched ({code or status})",
                                      adapter_id=adapter_id, cause="object_changed")
             if status >= 500 or code in ("SlowDown", "InternalError", "ServiceUnavailable"):
                 return SourceUnavailable(f"the registry {where} failed ({code or status}) "

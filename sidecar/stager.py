@@ -20,12 +20,13 @@ from .errors import (
     InvalidAdapter,
     InvalidAdapterId,
     NotCached,
+    RegistryTransient,
     SidecarError,
     StageTimeout,
 )
 from .logs import fields
 from .metrics import Metrics
-from .source import AdapterSource, FetchedFile, Listing
+from .source import AdapterSource, FetchedFile, Listing, RemoteFile
 from .store import (
     RECORD_NAME,
     AdapterRecord,
@@ -37,9 +38,19 @@ from .store import (
     remove_tree,
     write_record,
 )
-from .validate import Problem, Rules, check_file_name, validate_adapter
+from .validate import (
+    CHECKSUMS_FILE,
+    WEIGHTS_FILE,
+    Problem,
+    Rules,
+    check_file_name,
+    validate_adapter,
+)
+from .values import ValueReport, ValueScan, finish_scan
 
 log = logging.getLogger(__name__)
+
+FETCH_ATTEMPTS = 3  # downloads of a file whose bytes did not arrive intact, the first included
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,16 +212,7 @@ class Stager:
             if trash:
                 await asyncio.to_thread(_remove_all, trash)
             staging = await asyncio.to_thread(self._store.new_staging_dir, adapter_id)
-            fetched = await self._fetch_all(adapter_id, listing, staging)
-            problems = [
-                problem for f, got in zip(listing.files, fetched, strict=True)
-                for problem in _checksum_problems(f.name, got)
-            ]
-            digests = {f.name: got.sha256 for f, got in zip(listing.files, fetched, strict=True)
-                       if got.sha256 is not None}
-            problems += await asyncio.to_thread(
-                validate_adapter, staging, self._rules, sha256=digests
-            )
+            fetched, problems = await self._fetch_and_validate(adapter_id, listing, staging)
             if problems:
                 raise self._refuse(adapter_id, problems)
             record = AdapterRecord(
@@ -273,18 +275,68 @@ class Stager:
             raise self._refuse(adapter_id, problems)
         return listing
 
-    async def _fetch_all(
+    async def _fetch_and_validate(
         self, adapter_id: str, listing: Listing, staging: Path
-    ) -> list[FetchedFile]:
+    ) -> tuple[list[FetchedFile], list[Problem]]:
+        """Download every file, then the verdict on the folder.
+
+        Bytes that differ from the registry's own checksum, a file that cannot be read back,
+        or a SHA256SUMS mismatch that a second download does not repeat are faults of the
+        transfer, not of the adapter: those files are fetched afresh (FETCH_ATTEMPTS in all),
+        and if the fault persists the stage fails with RegistryTransient, which nothing
+        remembers. The tensor values are checked by the download, in the bytes it reads.
+        """
+        files = {f.name: f for f in listing.files}
+        # With a SHA256SUMS to check, files are hashed as they land, not read again after.
+        sha256 = CHECKSUMS_FILE in files
+        got = await self._fetch_all(adapter_id, listing.files, staging, sha256)
+        crc_before: dict[str, str] = {}  # of files fetched again: the previous download's
+        for attempt in range(1, FETCH_ATTEMPTS + 1):
+            transfer_faults = [problem for f in listing.files
+                               for problem in _checksum_problems(f.name, got[f.name][0])]
+            digests = {name: fetched.sha256 for name, (fetched, _) in got.items()
+                       if fetched.sha256 is not None}
+            scanned = {name: report for name, (_, report) in got.items() if report is not None}
+            problems = await asyncio.to_thread(validate_adapter, staging, self._rules,
+                                               sha256=digests, scanned=scanned)
+            suspects = _suspect_files(problems, got, crc_before) | {
+                p.file for p in transfer_faults}
+            if not suspects:
+                return [got[f.name][0] for f in listing.files], problems
+            faults = transfer_faults + [p for p in problems if p.file in suspects
+                                        or p.code == "read_error"]
+            if attempt == FETCH_ATTEMPTS:
+                raise RegistryTransient(
+                    f"adapter {adapter_id} did not arrive intact in {FETCH_ATTEMPTS} "
+                    f"downloads: {'; '.join(f'{p.file}: {p.message}' for p in faults[:3])}. "
+                    "Nothing is remembered: ask again. If it persists, check what lies between "
+                    "this node and the registry (a proxy that rewrites bodies), the cache "
+                    "volume (read errors in the kernel log) and the stored objects",
+                    adapter_id=adapter_id, cause=faults[0].code)
+            names = sorted(suspects & files.keys() or files.keys())
+            log.warning("adapter_id=%s: %s; downloading %s again (attempt %d of %d)",
+                        adapter_id, "; ".join(f"{p.code} {p.file}" for p in faults[:3]),
+                        ", ".join(names), attempt + 1, FETCH_ATTEMPTS,
+                        extra=fields(event="refetch", adapter_id=adapter_id,
+                                     problems=sorted({p.code for p in faults})))
+            crc_before = {name: got[name][0].crc32 for name in names}
+            await asyncio.to_thread(_unlink_all, [staging / name for name in names])
+            got.update(await self._fetch_all(adapter_id, [files[n] for n in names], staging,
+                                             sha256))
+        raise AssertionError("FETCH_ATTEMPTS is at least 1")
+
+    async def _fetch_all(
+        self, adapter_id: str, files: list[RemoteFile], staging: Path, sha256: bool
+    ) -> dict[str, tuple[FetchedFile, ValueReport | None]]:
         def count(n: int) -> None:
             self._metrics.download_bytes.inc(n)
 
-        tasks = [
-            asyncio.create_task(self._source.fetch(adapter_id, f, staging / f.name, count))
-            for f in listing.files
-        ]
+        tasks = [asyncio.create_task(self._fetch_one(adapter_id, f, staging / f.name, count,
+                                                     sha256 and f.name != CHECKSUMS_FILE))
+                 for f in files]
         try:
-            return list(await asyncio.gather(*tasks))
+            return {f.name: result
+                    for f, result in zip(files, await asyncio.gather(*tasks), strict=True)}
         except BaseException as exc:
             for task in tasks:  # one file failed: stop the others before the folder goes
                 task.cancel()
@@ -292,6 +344,37 @@ class Stager:
             if isinstance(exc, SidecarError):
                 self._on_source_result(exc)
             raise
+
+    async def _fetch_one(
+        self, adapter_id: str, file: RemoteFile, dest: Path, count: Callable[[int], None],
+        sha256: bool,
+    ) -> tuple[FetchedFile, ValueReport | None]:
+        """One file; the weights' tensor values are checked in the chunks the download
+        reads, and what it could not check in flight is read back at the end."""
+        if file.name != WEIGHTS_FILE:
+            return await self._source.fetch(adapter_id, file, dest, count, sha256=sha256), None
+        scan = ValueScan(file.size_bytes)
+        fetched = await self._source.fetch(adapter_id, file, dest, count, inspect=scan,
+                                           sha256=sha256)
+        return fetched, await asyncio.to_thread(finish_scan, scan, dest)
+
+
+def _suspect_files(problems: list[Problem], got: dict[str, tuple[FetchedFile, ValueReport | None]],
+                   crc_before: dict[str, str]) -> set[str]:
+    """Files whose problems may come from the transfer rather than the adapter: unreadable
+    ones, and SHA256SUMS mismatches of bytes neither the registry's checksum nor a second
+    download with the same CRC-32 vouches for."""
+    suspects = set()
+    for problem in problems:
+        if problem.code == "read_error":
+            suspects.add(problem.file)
+        elif problem.code == "checksum_mismatch" and problem.file in got:
+            fetched = got[problem.file][0]
+            vouched = (fetched.registry_crc32 is not None or fetched.registry_sha256 is not None
+                       or crc_before.get(problem.file) == fetched.crc32)
+            if not vouched:
+                suspects.add(problem.file)
+    return suspects
 
 
 def _checksum_problems(name: str, got: FetchedFile) -> list[Problem]:
@@ -304,6 +387,11 @@ def _checksum_problems(name: str, got: FetchedFile) -> list[Problem]:
         for algorithm, ours, theirs in pairs
         if theirs is not None and ours != theirs
     ]
+
+
+def _unlink_all(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
 
 
 def _remove_all(folders: list[Path]) -> None:
