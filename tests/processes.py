@@ -23,10 +23,12 @@ def free_port() -> int:
 
 
 class SidecarProcess:
-    """`python -m sidecar serve` in a child process, started and answering /healthz."""
+    """`python -m sidecar serve` in a child process, started and answering /healthz, and
+    (unless `wait_recovered` is false) done re-indexing its cache: `GET /adapters` waits for
+    that, while /healthz answers from the moment the port is bound."""
 
     def __init__(self, args: list[str], log_path: Path,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, *, wait_recovered: bool = True) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -40,6 +42,8 @@ class SidecarProcess:
         while time.monotonic() < deadline:
             try:
                 urllib.request.urlopen(f"{self.url}/healthz", timeout=1).close()
+                if wait_recovered:
+                    urllib.request.urlopen(f"{self.url}/adapters", timeout=30).close()
                 return
             except OSError:
                 if self.process.poll() is not None:
