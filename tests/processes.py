@@ -72,13 +72,26 @@ class SidecarProcess:
 
 def stage_blocking(url: str, adapter_id: str, timeout_s: float,
                    **fields: object) -> tuple[int, dict[str, object]]:
-    body = {"adapter_id": adapter_id, **fields}
+    return post_blocking(url, "/stage", {"adapter_id": adapter_id, **fields}, timeout_s)
+
+
+def post_blocking(url: str, path: str, body: Mapping[str, object],
+                  timeout_s: float = 30) -> tuple[int, dict[str, object]]:
+    """One JSON POST; (status, parsed answer), error statuses included."""
     request = urllib.request.Request(
-        f"{url}/stage", data=json.dumps(body).encode(), method="POST",
+        f"{url}{path}", data=json.dumps(body).encode(), method="POST",
         headers={"Content-Type": "application/json"},
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def get_blocking(url: str, path: str, timeout_s: float = 30) -> tuple[int, dict[str, object]]:
+    try:
+        with urllib.request.urlopen(f"{url}{path}", timeout=timeout_s) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
