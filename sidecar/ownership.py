@@ -9,6 +9,7 @@ included: a crashed owner never blocks its successor.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -48,7 +49,8 @@ class Owner:
 
 
 class CacheLock:
-    """`acquire()` or raise CacheOwned naming the owner; `release()` at the very end of stop."""
+    """`acquire()` or raise CacheOwned naming the owner (OSError when the lock cannot be taken
+    at all); `release()` at the very end of stop."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -67,13 +69,17 @@ class CacheLock:
             # the volume from being remounted read-only.
             fd = os.open(self.root / LOCK_NAME, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:
-            raise CacheOwned(f"cannot open the lock file {self.root / LOCK_NAME}: "
-                             f"{exc.strerror or exc}; check the cache volume's permissions",
-                             cache_root=self.root) from exc
+            raise OSError(exc.errno, f"cannot open the cache's lock file {self.root / LOCK_NAME}"
+                          f" ({exc.strerror or exc}); check the cache volume and its "
+                          "permissions") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise OSError(exc.errno, f"cannot lock {self.root / LOCK_NAME} "
+                              f"({exc.strerror or exc}): the cache volume must support flock, "
+                              "so that two sidecars never share a cache") from exc
             owner = read_owner(self.root)
             who = owner.describe() if owner is not None else "its owner has not recorded itself"
             raise CacheOwned(

@@ -190,14 +190,14 @@ class Stager:
             del self._not_found[adapter_id]
 
     def forget(self, adapter_id: str) -> bool:
-        """Drop a remembered refusal (or "not found") so the next stage looks afresh; the
-        operator's way out after fixing an adapter in place. True if there was one."""
-        refused = self._refused.pop(adapter_id, None)
-        missing = self._not_found.pop(adapter_id, None)
-        if refused is not None:
-            log.info("forgot the remembered refusal of adapter_id=%s", adapter_id,
-                     extra=fields(event="refusal_forgotten", adapter_id=adapter_id))
-        return refused is not None or missing is not None
+        """Drop a remembered refusal (and "not found") so the next stage looks afresh; the
+        operator's way out after fixing an adapter in place. True if a refusal was dropped."""
+        self._not_found.pop(adapter_id, None)
+        if self._refused.pop(adapter_id, None) is None:
+            return False
+        log.info("forgot the remembered refusal of adapter_id=%s", adapter_id,
+                 extra=fields(event="refusal_forgotten", adapter_id=adapter_id))
+        return True
 
     def _remember_not_found(self, error: AdapterNotFound) -> None:
         if self._not_found_ttl_s <= 0 or error.adapter_id is None:

@@ -92,7 +92,7 @@ class AdapterRecord:
     source: str
     staged_at: float
     files: Mapping[str, FileRecord]
-    # What the bytes passed before publication (VERIFIED_CHECKS), trusted by a restart while
+    # What the bytes passed before publication (the CHECK_* names), trusted by a restart while
     # every file keeps its recorded size and modification time: nothing is re-hashed.
     verified: tuple[str, ...] = ()
     size_bytes: int = field(init=False, compare=False)  # summed once: read on every hit
@@ -188,12 +188,6 @@ class Eviction:
 class Reservation:
     adapter_id: str
     size_bytes: int
-
-
-@dataclass(slots=True)
-class RecoveryReport:
-    adopted: list[str] = field(default_factory=list)
-    quarantined: dict[str, str] = field(default_factory=dict)  # folder name -> reason
 
 
 class AdapterStore:
