@@ -124,3 +124,32 @@ def test_validate_and_examples_work_beside_a_running_owner(
     assert sorted(p.name for p in (tmp_path / "new-registry").iterdir())
     assert stage_blocking(first.url, "a", 30, lease=False)[0] == 200
 
+
+
+def test_a_second_view_of_the_same_volume_is_refused_too(
+    tmp_path: Path, sidecar_processes: list[SidecarProcess]
+) -> None:
+    """As two containers mounting one volume at their own paths: a bind mount of the cache."""
+    local_registry_adapter(tmp_path, "a")
+    first = SidecarProcess(serve_args(tmp_path), tmp_path / "first.log")
+    sidecar_processes.append(first)
+    assert stage_blocking(first.url, "a", 30)[0] == 200
+    view = tmp_path / "other-container" / "lora-cache"
+    view.mkdir(parents=True)
+    bound = subprocess.run(["mount", "--bind", str(tmp_path / "cache"), str(view)],
+                           capture_output=True, text=True, timeout=30)
+    if bound.returncode != 0:
+        pytest.fail(f"cannot bind-mount the cache (uid {os.getuid()}): {bound.stderr.strip()}; "
+                    "this test needs root or CAP_SYS_ADMIN, as in CI")
+    try:
+        before = cache_state(view)
+        done = subprocess.run(
+            [sys.executable, "-m", "sidecar", "serve", "--port", str(free_port()),
+             "--registry", str(tmp_path / "registry"), "--cache-root", str(view),
+             "--max-adapters", "1", "--min-free-disk", "0"],
+            capture_output=True, text=True, timeout=SECOND_START_TIMEOUT_S)
+        assert done.returncode == EXIT_CACHE_OWNED, done.stderr
+        assert f"pid {first.pid}" in done.stderr and str(view) in done.stderr
+        assert cache_state(view) == before
+    finally:
+        subprocess.run(["umount", "-l", str(view)], capture_output=True, timeout=30)
