@@ -242,7 +242,7 @@ class Sidecar:
                             f"{exc.strerror or exc}")
             if not store.adapters_dir.is_dir():
                 return
-        journal = LeaseJournal(store.journal_path)
+        journal = LeaseJournal(store.journal_path, max_leases=self.settings.max_leases)
         leases = await self._read_journal(journal)
         try:
             folders = await asyncio.to_thread(store.published_folders)
@@ -278,8 +278,7 @@ class Sidecar:
         store.journal = journal
         try:
             # Nothing can lease yet (the API waits for recovery), so off the loop is safe.
-            await asyncio.to_thread(journal.compact, store.live_leases())
-            await asyncio.to_thread(journal.sync)
+            await asyncio.to_thread(journal.reset, store.live_leases())
         except OSError as exc:
             journal.failed = True
             log.warning("cannot write the lease journal %s (%s): leases will not survive a "
@@ -331,8 +330,9 @@ class Sidecar:
                 if journal is not None:
                     if journal.flush_due():
                         journal.flush()
-                    if store.compact_journal_if_due():
-                        await asyncio.to_thread(journal.sync)
+                    if journal.compaction_due(store.live_lease_count) and (
+                            journal.begin_compaction()):
+                        await asyncio.to_thread(journal.merge)  # the loop appends meanwhile
                     journal.close_if_idle()
             except Exception:
                 log.exception("lease expiry failed")

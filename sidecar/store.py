@@ -217,14 +217,15 @@ class AdapterStore:
         self._clock = clock  # the wall clock: staged_at, last_used, what callers read
         self._monotonic = monotonic  # lease expiry: immune to the wall clock being stepped
         self._index: OrderedDict[str, CachedAdapter] = OrderedDict()  # LRU first
-        # lease key -> (adapter_id, expires_at on the monotonic clock), in expiry order. The
-        # key is the lease id, or "#" + its digest for a lease read back from the journal
-        # (only digests are written there; "#" never starts an id we hand out). Plain tuples
-        # of a str and a float, which the garbage collector stops tracking: callers that never
+        # lease key -> (adapter_id, expires_at on the monotonic clock, the id's digest in the
+        # journal), in expiry order. The key is the lease id, or "#" + its digest for a lease
+        # read back from the journal (only digests are written there; "#" never starts an id
+        # we hand out). Plain tuples of strs and a float, which the garbage collector stops
+        # tracking: callers that never
         # release can leave hundreds of thousands of leases, and tracked objects made every
         # full collection a pause of tens of milliseconds on the hit path. An OrderedDict,
         # because finding the oldest entry of a plain dict skips every slot deleted before it.
-        self._leases: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._leases: OrderedDict[str, tuple[str, float, str]] = OrderedDict()
         self._lease_counts: dict[str, int] = {}  # adapter_id -> live leases
         self.max_leases = max_leases
         self._random_pool: list[str] = []
@@ -381,11 +382,11 @@ class AdapterStore:
         adapter.last_used = now
         self._index.move_to_end(adapter_id)
         lease = Lease(self._new_lease_id(), adapter_id, expires_at, now + self.lease_ttl_s)
-        self._leases[lease.lease_id] = (adapter_id, expires_at)
+        digest = lease_digest(lease.lease_id)
+        self._leases[lease.lease_id] = (adapter_id, expires_at, digest)
         self._lease_counts[adapter_id] = self._lease_counts.get(adapter_id, 0) + 1
         if self.journal is not None:
-            self.journal.granted(lease_digest(lease.lease_id), adapter_id, self.lease_ttl_s,
-                                 now, monotonic_now)
+            self.journal.granted(digest, adapter_id, self.lease_ttl_s, now, monotonic_now)
         if len(self._leases) > self.max_leases:
             self._drop_oldest_lease(monotonic_now)
         return lease
@@ -401,8 +402,8 @@ class AdapterStore:
     def _drop_oldest_lease(self, now: float) -> None:
         """Past --max-leases someone is not releasing: the oldest lease ends early, so memory
         stays bounded. A request still running after that many newer ones is not plausible."""
-        lease_id, (adapter_id, _) = next(iter(self._leases.items()))
-        self._end_lease(lease_id)
+        lease_id, (adapter_id, _, _) = next(iter(self._leases.items()))
+        self._end_lease(lease_id, journal=False)  # a restart applies the same cap
         self._metrics.leases_expired.inc()
         if now - self._lease_cap_warned_at >= 60:
             self._lease_cap_warned_at = now
@@ -430,7 +431,7 @@ class AdapterStore:
         sweep stops at the first live one."""
         now = self._monotonic()
         ended = []
-        for lease_id, (_, expires_at) in self._leases.items():
+        for lease_id, (_, expires_at, _) in self._leases.items():
             if expires_at > now:
                 break
             ended.append(lease_id)
@@ -465,17 +466,17 @@ class AdapterStore:
         """A scan: only forced and external evictions need the ids, and they are rare."""
         if adapter_id not in self._lease_counts:
             return []
-        return sorted(i for i, (held, _) in self._leases.items() if held == adapter_id)
+        return sorted(i for i, (held, _, _) in self._leases.items() if held == adapter_id)
 
     def _end_lease(self, lease_id: str, *, journal: bool = True) -> Lease:
-        adapter_id, expires_at = self._leases.pop(lease_id)
+        adapter_id, expires_at, digest = self._leases.pop(lease_id)
         left = self._lease_counts[adapter_id] - 1
         if left:
             self._lease_counts[adapter_id] = left
         else:
             del self._lease_counts[adapter_id]
         if journal and self.journal is not None:
-            self.journal.ended(_digest_of_key(lease_id))
+            self.journal.ended(digest)
         expires_in_s = expires_at - self._monotonic()
         return Lease(lease_id, adapter_id, expires_at, self._clock() + expires_in_s)
 
@@ -492,30 +493,20 @@ class AdapterStore:
                 continue
             # Never beyond the TTL of leases granted from now on: the expiry order holds.
             remaining_s = min(lease.remaining_s, self.lease_ttl_s)
-            self._leases[key] = (lease.adapter_id, now + remaining_s)
+            self._leases[key] = (lease.adapter_id, now + remaining_s, lease.digest)
             self._lease_counts[lease.adapter_id] = self._lease_counts.get(lease.adapter_id, 0) + 1
             restored += 1
         return restored
 
-    def live_leases(self) -> list[tuple[str, str, float]]:
-        """(digest, adapter_id, remaining seconds) of every live lease, for a compaction."""
-        now = self._monotonic()
-        return [(_digest_of_key(key), adapter_id, expires_at - now)
-                for key, (adapter_id, expires_at) in self._leases.items()]
+    @property
+    def live_lease_count(self) -> int:
+        return len(self._leases)
 
-    def compact_journal_if_due(self) -> bool:
-        """Rewrite the journal to the live leases once appends have outgrown them (blocking
-        but small and rare; on the loop, so no grant can slip between snapshot and rename)."""
-        journal = self.journal
-        if journal is None or not journal.due_for_compaction:
-            return False
-        try:
-            journal.compact(self.live_leases())
-        except OSError as exc:
-            log.warning("cannot compact the lease journal %s: %s", journal.path,
-                        exc.strerror or exc)
-            return False
-        return True
+    def live_leases(self) -> list[tuple[str, str, float]]:
+        """(digest, adapter_id, remaining seconds) of every live lease, for the journal."""
+        now = self._monotonic()
+        return [(digest, adapter_id, expires_at - now)
+                for adapter_id, expires_at, digest in self._leases.values()]
 
     # ---- claims: a caller that will lease an adapter once its stage finishes ------------
 
@@ -729,10 +720,6 @@ class AdapterStore:
         """Folders renamed into `.trash/` since the last call, for deletion off the loop."""
         pending, self._trash_pending = self._trash_pending, []
         return pending
-
-
-def _digest_of_key(key: str) -> str:
-    return key[1:] if key.startswith("#") else lease_digest(key)
 
 
 def _remove_tree(path: Path) -> None:

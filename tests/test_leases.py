@@ -116,9 +116,10 @@ def test_a_stepped_wall_clock_neither_ends_nor_extends_a_live_lease(tmp_path: Pa
 
 def journaled_store(root: Path, wall: Clock, monotonic: Clock, boot_id: str) -> AdapterStore:
     store = make_store(root, wall, monotonic)
-    journal = LeaseJournal(root / JOURNAL_NAME, wall=wall, monotonic=monotonic, boot_id=boot_id)
+    journal = LeaseJournal(root / JOURNAL_NAME, wall=wall, monotonic=monotonic, boot_id=boot_id,
+                           max_leases=store.max_leases)
     store.restore_leases(journal.load(store.lease_ttl_s))
-    journal.compact(store.live_leases())
+    journal.reset(store.live_leases())
     store.journal = journal
     return store
 
@@ -164,21 +165,66 @@ def test_after_a_reboot_leases_age_by_the_wall_clock_clamped_to_their_ttl(
         assert again.seconds_to_next_expiry() == pytest.approx(remaining_s, abs=0.01)
 
 
-def test_the_journal_is_compacted_to_the_live_leases_and_skips_a_torn_line(
+def journal_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.glob(f"{JOURNAL_NAME}*"))
+
+
+def test_the_journal_is_compacted_beside_new_appends_and_skips_a_torn_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr("sidecar.leases.COMPACT_MIN_BYTES", 4096)
     wall, monotonic = Clock(1_800_000_000.0), Clock(5_000.0)
     store = journaled_store(tmp_path, wall, monotonic, "boot-1")
-    path = tmp_path / JOURNAL_NAME
+    journal = store.journal
+    assert journal is not None
     live = store.lease("b")
     for _ in range(200):
         store.release(store.lease("a").lease_id)
-    grown = path.stat().st_size
-    assert store.compact_journal_if_due()
-    assert path.stat().st_size < grown / 20
-    with open(path, "a") as f:
-        f.write("G 0123456789abcdef0123456789abcdef a 60.0 18000")  # a crash mid-line
+    journal.flush()
+    grown = journal_bytes(tmp_path)
+    assert journal.compaction_due(store.live_lease_count)
+    assert journal.begin_compaction()
+    during = store.lease("a")  # granted while the merge runs: in the fresh file
+    journal.merge()
+    assert not journal.compacting_path.exists()
+    assert journal_bytes(tmp_path) < grown / 10
+    with open(tmp_path / JOURNAL_NAME, "a") as f:
+        f.write("G 0123456789abcdef0123456789abcdef a 60000 18000")  # a crash mid-line
     again = journaled_store(tmp_path, wall, monotonic, "boot-1")
-    assert (again.lease_count("a"), again.lease_count("b")) == (0, 1)
+    assert (again.lease_count("a"), again.lease_count("b")) == (1, 1)
     assert again.release(live.lease_id).adapter_id == "b"
+    assert again.release(during.lease_id).adapter_id == "a"
+
+
+def test_a_crash_between_the_merge_and_removing_its_input_loses_nothing(
+    tmp_path: Path
+) -> None:
+    wall, monotonic = Clock(1_800_000_000.0), Clock(5_000.0)
+    store = journaled_store(tmp_path, wall, monotonic, "boot-1")
+    journal = store.journal
+    assert journal is not None
+    kept, released = store.lease("a"), store.lease("b")
+    store.release(released.lease_id)
+    journal.flush()
+    assert journal.begin_compaction()
+    compacting = journal.compacting_path.read_bytes()
+    journal.merge()
+    journal.compacting_path.write_bytes(compacting)  # as if killed before the unlink
+    again = journaled_store(tmp_path, wall, monotonic, "boot-1")
+    assert (again.lease_count("a"), again.lease_count("b")) == (1, 0)
+    assert again.release(kept.lease_id).adapter_id == "a"
+
+
+def test_past_the_cap_a_restart_keeps_the_newest_leases(tmp_path: Path) -> None:
+    wall, monotonic = Clock(1_800_000_000.0), Clock(5_000.0)
+    store = journaled_store(tmp_path, wall, monotonic, "boot-1")
+    store.max_leases = 3
+    leases = [store.lease("a") for _ in range(5)]
+    again = make_store(tmp_path, wall, monotonic)
+    journal = LeaseJournal(tmp_path / JOURNAL_NAME, wall=wall, monotonic=monotonic,
+                           boot_id="boot-1", max_leases=3)
+    again.restore_leases(journal.load(again.lease_ttl_s))
+    assert again.lease_count("a") == 3
+    with pytest.raises(LeaseNotFound):
+        again.release(leases[1].lease_id)
+    assert again.release(leases[2].lease_id).adapter_id == "a"
