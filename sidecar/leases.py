@@ -222,6 +222,7 @@ class LeaseJournal:
             return False
         self.flush()
         self._close()
+        self._appended_bytes = 0  # on failure too: tried again after as many appends
         try:
             if not self.compacting_path.exists():  # else a merge that failed: retried
                 os.rename(self.path, self.compacting_path)
@@ -229,7 +230,6 @@ class LeaseJournal:
             log.warning("cannot compact the lease journal %s: %s", self.path,
                         exc.strerror or exc)
             return False
-        self._appended_bytes = 0
         self._merging = True
         return True
 
