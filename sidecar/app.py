@@ -24,7 +24,7 @@ from .leases import JournalLease, LeaseJournal
 from .localsource import LocalSource
 from .logs import configure_logging, fields
 from .metrics import Metrics
-from .ownership import CacheLock
+from .ownership import EXIT_CACHE_OWNED, CacheLock
 from .source import AdapterSource, S3Source
 from .stager import Stager
 from .store import AdapterRecord, AdapterStore, remove_tree
@@ -38,7 +38,6 @@ HEALTH_INTERVAL_S = 2.0
 REGISTRY_PROBE_OK_S = 15.0
 PIN_RETRY_S = (1.0, 30.0)  # first and largest delay between attempts to stage a pin
 SHUTDOWN_GRACE_S = 10.0
-EXIT_CACHE_OWNED = 3  # another process owns the cache root; this one touched nothing
 
 
 class Health:
@@ -67,7 +66,8 @@ class Health:
 class Sidecar:
     """The running daemon. `await start()`, then `await stop()`; tests use it in-process."""
 
-    def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, settings: Settings, registry: CollectorRegistry | None = None, *,
+                 lock: CacheLock | None = None) -> None:
         self.settings = settings
         self.metrics = Metrics(registry)
         self.health = Health()
@@ -112,7 +112,7 @@ class Sidecar:
         self._pins_pending = set(settings.pin)
         self._pin_tasks: dict[str, asyncio.Task[None]] = {}
         self.port = settings.port
-        self.lock = CacheLock(settings.cache_root)
+        self.lock = lock or CacheLock(settings.cache_root)  # `serve` takes it before imports
         # Set once the cache is re-indexed; until then the API answers /healthz and /readyz
         # and holds every call that needs the index.
         self.recovered = asyncio.Event()
@@ -125,7 +125,11 @@ class Sidecar:
         (awaited here unless `wait_for_recovery` is false). Raises CacheOwned, touching
         nothing, when another process owns the cache root."""
         # Before anything in the cache is touched: a second process must leave it alone.
-        self.lock.acquire(self.settings.port or None)
+        if not self.lock.held:
+            self.lock.acquire(self.settings.port or None)
+        log.info("owning the cache root %s (flock on %s)", self.settings.cache_root,
+                 self.lock.path, extra=fields(event="cache_locked",
+                                              cache_root=str(self.settings.cache_root)))
         try:
             await self._listen()
         except BaseException:
@@ -415,21 +419,22 @@ def _check_writable(folder: Path) -> str | None:
 # ---- the process ---------------------------------------------------------------------------
 
 
-def serve(settings: Settings) -> int:
-    """Run until SIGTERM/SIGINT. Returns the process exit code."""
+def serve(settings: Settings, lock: CacheLock | None = None) -> int:
+    """Run until SIGTERM/SIGINT (with the cache's lock, if the caller took it already).
+    Returns the process exit code."""
     configure_logging(settings.log_level, settings.log_format)
     if not is_loopback(settings.host) and settings.api_token is None:
         log.warning("binding to %s without --api-token: anyone who can reach this port can "
                     "evict and pin adapters", settings.host)
     log.info("settings: %s", settings.describe())
     try:
-        return asyncio.run(_run(settings))
+        return asyncio.run(_run(settings, lock))
     except KeyboardInterrupt:
         return 0
 
 
-async def _run(settings: Settings) -> int:
-    sidecar = Sidecar(settings)
+async def _run(settings: Settings, lock: CacheLock | None) -> int:
+    sidecar = Sidecar(settings, lock=lock)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

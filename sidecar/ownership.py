@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CacheOwned
-from .logs import fields
 
 log = logging.getLogger(__name__)
 
+EXIT_CACHE_OWNED = 3  # the exit code of a `serve` refused because another owns the cache
 LOCK_NAME = ".lock"
 OWNER_NAME = ".owner.json"
 OWNER_MAX_BYTES = 4096
@@ -61,6 +61,10 @@ class CacheLock:
     def held(self) -> bool:
         return self._fd is not None
 
+    @property
+    def path(self) -> Path:
+        return self.root / LOCK_NAME
+
     def acquire(self, port: int | None) -> None:
         """Blocking but instant (a non-blocking flock): fine on the loop at start-up."""
         try:
@@ -90,8 +94,6 @@ class CacheLock:
         self._fd = fd
         self._owner = Owner(os.getpid(), socket.gethostname(), port, time.time())
         self._write_owner()
-        log.info("took the cache root %s (lock %s)", self.root, LOCK_NAME,
-                 extra=fields(event="cache_locked", cache_root=str(self.root)))
 
     def set_port(self, port: int) -> None:
         """Record the port once it is bound (it may have been 0, "any free one")."""
