@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .config import OPTIONS, Settings
-from .errors import ConfigError
+from .errors import CacheOwned, ConfigError
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -91,9 +91,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as exc:
             print(f"lora-sidecar: {exc.message}", file=sys.stderr)
             return EXIT_USAGE
+        # The cache's lock first, before the daemon's imports: a second `serve` on an owned
+        # cache exits at once, and nothing of the cache is touched before the lock is held.
+        from .ownership import EXIT_CACHE_OWNED, CacheLock
+
+        lock = CacheLock(settings.cache_root)
+        try:
+            lock.acquire(settings.port or None)
+        except CacheOwned as exc:
+            print(f"lora-sidecar: cannot start: {exc.message}", file=sys.stderr)
+            return EXIT_CACHE_OWNED
+        except OSError as exc:
+            print(f"lora-sidecar: cannot start: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_FAILED
         from .app import serve
 
-        return serve(settings)
+        return serve(settings, lock)
     if args.command == "examples":
         from .examples import ensure_examples
 

@@ -116,8 +116,14 @@ def cmd_evict(args: argparse.Namespace) -> int:
                           {"adapter_id": args.adapter_id, "force": args.force})
     except ClientError as exc:
         return _fail(args, exc)
+    if answer.get("reason") == "forgotten":  # not cached: only a remembered refusal
+        _print(args, answer, f"forgot the remembered refusal of {args.adapter_id}: the next "
+               "stage fetches and validates it again")
+        return EXIT_OK
     broken = answer.get("broken_leases") or []
     extra = f", broke {len(broken)} lease(s)" if broken else ""
+    if answer.get("forgot_refusal"):
+        extra += ", forgot its remembered refusal"
     _print(args, answer, f"evicted {args.adapter_id}, freed "
            f"{_human_bytes(answer['freed_bytes'])}{extra}")
     return EXIT_OK
@@ -241,7 +247,8 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     p = _client_parser(subparsers, "stage", "stage an adapter (download it if needed)", cmd_stage)
     p.add_argument("adapter_id")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default 600)")
-    p = _client_parser(subparsers, "evict", "remove an adapter from the cache", cmd_evict)
+    p = _client_parser(subparsers, "evict", "remove an adapter from the cache, and forget a "
+                       "remembered refusal of it (after fixing it in the registry)", cmd_evict)
     p.add_argument("adapter_id")
     p.add_argument("--force", action="store_true",
                    help="evict even if pinned or leased (breaks the leases)")

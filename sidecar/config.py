@@ -282,7 +282,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("stage_timeout_s", "--stage-timeout", _positive(_parse_float), "600",
            "longest a /stage call waits when the caller gives no timeout_s", "SECONDS"),
     Option("refusal_ttl_s", "--refusal-ttl", _at_least(_parse_float, 0, "0 or more"), "60",
-           "seconds a refused (invalid) adapter is remembered before it is fetched again",
+           "seconds a refused (invalid) adapter is remembered before it is fetched again "
+           "(`lora-sidecar evict ID` forgets it sooner)", "SECONDS"),
+    Option("not_found_ttl_s", "--not-found-ttl", _at_least(_parse_float, 0, "0 or more"), "2",
+           "seconds an id the registry does not have is answered 404 from memory, without "
+           "listing the registry again (an adapter uploaded since is found once they pass)",
            "SECONDS"),
     Option("max_lora_rank", "--max-lora-rank", _at_least(_parse_int, 1, "at least 1"), "16",
            "largest LoRA rank the served engine accepts (vLLM's max_lora_rank)", "N"),
@@ -348,6 +352,7 @@ class Settings:
     max_leases: int = 100_000
     stage_timeout_s: float = 600.0
     refusal_ttl_s: float = 60.0
+    not_found_ttl_s: float = 2.0
     max_lora_rank: int = 16
     allowed_target_modules: tuple[str, ...] = LLAMA_TARGET_MODULES
     base_model: str | None = None

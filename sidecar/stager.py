@@ -28,6 +28,10 @@ from .logs import fields
 from .metrics import Metrics
 from .source import AdapterSource, FetchedFile, Listing, RemoteFile
 from .store import (
+    CHECK_REGISTRY,
+    CHECK_RULES,
+    CHECK_SHA256SUMS,
+    CHECK_VALUES,
     RECORD_NAME,
     AdapterRecord,
     AdapterStore,
@@ -35,6 +39,7 @@ from .store import (
     FileRecord,
     Lease,
     fsync_dir,
+    iso_utc,
     remove_tree,
     write_record,
 )
@@ -51,6 +56,7 @@ from .values import ValueReport, ValueScan, finish_scan
 log = logging.getLogger(__name__)
 
 FETCH_ATTEMPTS = 3  # downloads of a file whose bytes did not arrive intact, the first included
+NOT_FOUND_MAX = 10_000  # ids remembered as not in the registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +86,7 @@ class Stager:
         metrics: Metrics,
         *,
         refusal_ttl_s: float,
+        not_found_ttl_s: float = 0.0,
         on_trash: Callable[[], None],
         on_source_result: Callable[[SidecarError | None], None] = lambda _: None,
     ) -> None:
@@ -88,10 +95,15 @@ class Stager:
         self._rules = rules
         self._metrics = metrics
         self._refusal_ttl_s = refusal_ttl_s
+        self._not_found_ttl_s = not_found_ttl_s
         self._on_trash = on_trash
         self._on_source_result = on_source_result
         self._inflight: dict[str, asyncio.Task[None]] = {}
+        # Verdicts answered again without a fetch until they expire (monotonic seconds): a
+        # refusal for --refusal-ttl, "not in the registry" for --not-found-ttl. Ids asked for
+        # are the caller's choice, so the second map is bounded.
         self._refused: dict[str, tuple[float, InvalidAdapter]] = {}
+        self._not_found: dict[str, tuple[float, AdapterNotFound]] = {}
         # Children bound once: a labels() lookup per request shows on the hit path.
         results = ("hit", "miss", "error")
         self._requests = {r: metrics.stage_requests.labels(result=r) for r in results}
@@ -136,7 +148,7 @@ class Stager:
             while True:
                 task = self._inflight.get(adapter_id)
                 if task is None:
-                    self._raise_if_refused(adapter_id)
+                    self._raise_if_remembered(adapter_id)
                     task = asyncio.create_task(self._stage_once(adapter_id),
                                                name=f"stage:{adapter_id}")
                     self._inflight[adapter_id] = task
@@ -175,19 +187,51 @@ class Stager:
                                    size_bytes=adapter.size_bytes))
         return StageResult(adapter, granted, cached)
 
-    def _raise_if_refused(self, adapter_id: str) -> None:
+    def _raise_if_remembered(self, adapter_id: str) -> None:
+        now = time.monotonic()
         refused = self._refused.get(adapter_id)
-        if refused is None:
+        if refused is not None:
+            if now < refused[0]:
+                raise refused[1].recalled()
+            del self._refused[adapter_id]
+        missing = self._not_found.get(adapter_id)
+        if missing is not None:
+            if now < missing[0]:
+                raise missing[1]
+            del self._not_found[adapter_id]
+
+    def forget(self, adapter_id: str) -> bool:
+        """Drop a remembered refusal (and "not found") so the next stage looks afresh; the
+        operator's way out after fixing an adapter in place. True if a refusal was dropped."""
+        self._not_found.pop(adapter_id, None)
+        if self._refused.pop(adapter_id, None) is None:
+            return False
+        log.info("forgot the remembered refusal of adapter_id=%s", adapter_id,
+                 extra=fields(event="refusal_forgotten", adapter_id=adapter_id))
+        return True
+
+    def _remember_not_found(self, error: AdapterNotFound) -> None:
+        if self._not_found_ttl_s <= 0 or error.adapter_id is None:
             return
-        expires_at, error = refused
-        if time.monotonic() < expires_at:
-            raise error
-        del self._refused[adapter_id]
+        now = time.monotonic()
+        if len(self._not_found) >= NOT_FOUND_MAX:
+            for adapter_id in [i for i, (until, _) in self._not_found.items() if until <= now]:
+                del self._not_found[adapter_id]
+            while len(self._not_found) >= NOT_FOUND_MAX:
+                del self._not_found[next(iter(self._not_found))]
+        remembered = AdapterNotFound(
+            f"{error.message} (remembered for {self._not_found_ttl_s:g}s, "
+            "--not-found-ttl: an adapter uploaded since is found once that has passed)",
+            adapter_id=error.adapter_id)
+        self._not_found[error.adapter_id] = (now + self._not_found_ttl_s, remembered)
 
     def _refuse(self, adapter_id: str, problems: list[Problem]) -> InvalidAdapter:
-        error = InvalidAdapter(adapter_id, [p.to_json() for p in problems])
         for code in sorted({p.code for p in problems}):
             self._metrics.validation_failures.labels(reason=code).inc()
+        refused_at = time.time()
+        until = None if self._refusal_ttl_s <= 0 else iso_utc(refused_at + self._refusal_ttl_s)
+        error = InvalidAdapter(adapter_id, [p.to_json() for p in problems],
+                               refused_at=iso_utc(refused_at), remembered_until=until)
         if self._refusal_ttl_s > 0:
             self._refused[adapter_id] = (time.monotonic() + self._refusal_ttl_s, error)
         log.warning("refused adapter_id=%s problems=%d: %s", adapter_id, len(problems),
@@ -223,8 +267,9 @@ class Stager:
                     f.name: FileRecord(f.size_bytes, f.etag, got.crc32, got.sha256)
                     for f, got in zip(listing.files, fetched, strict=True)
                 },
+                verified=_checks_passed(listing, fetched),
             )
-            await asyncio.to_thread(_seal, staging, record)
+            record = await asyncio.to_thread(_seal, staging, record)
             self._store.publish(staging, record)
             staging = None
             elapsed = time.perf_counter() - started
@@ -257,6 +302,8 @@ class Stager:
             listing = await self._source.list_files(adapter_id)
         except SidecarError as exc:
             self._on_source_result(exc)
+            if isinstance(exc, AdapterNotFound):
+                self._remember_not_found(exc)
             raise
         self._on_source_result(None)
         problems = [
@@ -399,9 +446,20 @@ def _remove_all(folders: list[Path]) -> None:
         remove_tree(folder)
 
 
-def _seal(staging: Path, record: AdapterRecord) -> None:
-    write_record(staging, record)
+def _checks_passed(listing: Listing, fetched: list[FetchedFile]) -> tuple[str, ...]:
+    checks = [CHECK_RULES, CHECK_VALUES]
+    if any(got.registry_crc32 or got.registry_sha256 for got in fetched):
+        checks.append(CHECK_REGISTRY)
+    if any(f.name == CHECKSUMS_FILE for f in listing.files):
+        checks.append(CHECK_SHA256SUMS)
+    return tuple(checks)
+
+
+def _seal(staging: Path, record: AdapterRecord) -> AdapterRecord:
+    """Write the record (with the files' times, as sealed) and make the folder durable."""
+    sealed = write_record(staging, record)
     fsync_dir(staging)
+    return sealed
 
 
 def _log_failure(adapter_id: str, error: SidecarError, elapsed_s: float) -> None:

@@ -114,12 +114,15 @@ def validate_adapter(
     sha256: Mapping[str, str] | None = None,
     scan_values: bool = True,
     scanned: Mapping[str, ValueReport] | None = None,
+    checksums: bool = True,
 ) -> list[Problem]:
     """Every problem of the adapter in `folder`; [] when it is valid. Never raises for what the
     folder holds. `sha256` maps file names to digests already computed while downloading;
     `scanned` maps file names to value checks already made while downloading.
     `scan_values=False` leaves the tensor values unread (a restart: they were checked before
-    publication), except when the weights are read anyway to check a SHA256SUMS file."""
+    publication), except when the weights are read anyway to check a SHA256SUMS file.
+    `checksums=False` leaves out hashing the files listed in SHA256SUMS (a restart re-checks
+    the rules of a published folder, whose bytes its record vouches for)."""
     problems, readable = _check_folder(folder)
     config: LoraConfig | None = None
     digests = dict(sha256 or {})
@@ -132,7 +135,7 @@ def validate_adapter(
             problems.append(_read_error(CONFIG_FILE, exc))
     if WEIGHTS_FILE in readable:
         # The weights are read at most once: their SHA-256 for SHA256SUMS in the same pass.
-        hash_too = CHECKSUMS_FILE in readable and WEIGHTS_FILE not in digests
+        hash_too = checksums and CHECKSUMS_FILE in readable and WEIGHTS_FILE not in digests
         try:
             weight_problems, digest = _check_weights(
                 folder, rules, config, scan_values=scan_values, hash_too=hash_too,
@@ -142,7 +145,7 @@ def validate_adapter(
                 digests[WEIGHTS_FILE] = digest
         except OSError as exc:
             problems.append(_read_error(WEIGHTS_FILE, exc))
-    if CHECKSUMS_FILE in readable:
+    if CHECKSUMS_FILE in readable and checksums:
         try:
             problems.extend(_check_checksums(folder, readable, digests))
         except OSError as exc:

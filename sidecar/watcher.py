@@ -36,8 +36,18 @@ from .checksum import crc32_hex
 from .config import is_valid_adapter_id
 from .logs import fields
 from .metrics import Metrics
-from .store import RECORD_NAME, AdapterRecord, AdapterStore, CachedAdapter, FileRecord, write_record
-from .validate import WEIGHTS_FILE, Problem, Rules, validate_adapter
+from .store import (
+    CHECK_RULES,
+    CHECK_SHA256SUMS,
+    CHECK_VALUES,
+    RECORD_NAME,
+    AdapterRecord,
+    AdapterStore,
+    CachedAdapter,
+    FileRecord,
+    write_record,
+)
+from .validate import CHECKSUMS_FILE, WEIGHTS_FILE, Problem, Rules, validate_adapter
 from .values import ValueReport, ValueScan
 
 log = logging.getLogger(__name__)
@@ -276,7 +286,10 @@ class Watcher:
                 self._quarantine(adapter_id, folder, before, f"not valid: {reason}",
                                  inspection.problems)
                 return
-            record = AdapterRecord(adapter_id, ADOPTED_SOURCE, time.time(), inspection.files)
+            checks = (CHECK_RULES, CHECK_VALUES, CHECK_SHA256SUMS) if (
+                CHECKSUMS_FILE in inspection.files) else (CHECK_RULES, CHECK_VALUES)
+            record = AdapterRecord(adapter_id, ADOPTED_SOURCE, time.time(), inspection.files,
+                                   checks)
             try:
                 if not await asyncio.to_thread(_write_record_into, folder, before, record):
                     return

@@ -7,21 +7,23 @@ holding one NaN is served with empty text and corrupts the next answer of anothe
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import os
 import shutil
 import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 import pytest
 
+from sidecar.checksum import crc32_hex
 from sidecar.examples import tensor_name, write_adapter
 from sidecar.shapes import ModelShapes
+from sidecar.store import CHECK_VALUES
 from sidecar.transfer import TransferPolicy, part_starts
 from tests.conftest import (
     S3Registry,
@@ -201,15 +203,12 @@ async def test_an_adapter_with_nan_copied_into_the_cache_is_quarantined_never_se
                          reason="non_finite_weights") == 1
 
 
-async def test_a_restart_that_re_reads_the_weights_checks_their_values(
+async def test_a_restart_checks_the_values_of_a_record_that_never_had_them_checked(
     tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
 ) -> None:
-    # An adapter published before the values were checked, with a SHA256SUMS the record
-    # holds no digest for: the restart hashes the weights again, and checks their values in
-    # that same pass.
-    folder = local_registry_adapter(tmp_path, "old-v1")
-    (folder / "SHA256SUMS").write_text(
-        f"{hashlib.sha256((folder / WEIGHTS).read_bytes()).hexdigest()}  {WEIGHTS}\n")
+    # An adapter published by a version that did not read tensor values: its record vouches
+    # for its bytes but not for their values, so the restart reads them once.
+    local_registry_adapter(tmp_path, "old-v1")
     sidecar = await start_sidecar(make_settings(tmp_path))
     status, body = await call(http, "POST", f"{sidecar.url}/stage",
                               {"adapter_id": "old-v1", "lease": False})
@@ -217,9 +216,7 @@ async def test_a_restart_that_re_reads_the_weights_checks_their_values(
     await sidecar.stop()
     published = Path(str(body["local_path"]))
     set_element(published / WEIGHTS, tensor_name(1, "q_proj", "B"), 0, np.nan)
-    (published / "SHA256SUMS").write_text(
-        f"{hashlib.sha256((published / WEIGHTS).read_bytes()).hexdigest()}  {WEIGHTS}\n")
-    forget_digests(published / ".sidecar.json")  # as an older version recorded it
+    as_recorded_before_values_were_checked(published)
 
     restarted = await start_sidecar(make_settings(tmp_path))
 
@@ -228,10 +225,36 @@ async def test_a_restart_that_re_reads_the_weights_checks_their_values(
     assert [name for name in quarantined if name.startswith("old-v1")], quarantined
 
 
-def forget_digests(record_path: Path) -> None:
+async def test_a_restart_reads_the_values_once_and_records_that_it_did(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    local_registry_adapter(tmp_path, "old-v1")
+    sidecar = await start_sidecar(make_settings(tmp_path))
+    status, body = await call(http, "POST", f"{sidecar.url}/stage",
+                              {"adapter_id": "old-v1", "lease": False})
+    assert status == 200, body
+    await sidecar.stop()
+    published = Path(str(body["local_path"]))
+    as_recorded_before_values_were_checked(published)
+
+    restarted = await start_sidecar(make_settings(tmp_path))
+
+    assert restarted.store.get("old-v1") is not None
+    record = json.loads((published / ".sidecar.json").read_text())
+    assert CHECK_VALUES in record["verified"], record
+
+
+def as_recorded_before_values_were_checked(published: Path) -> None:
+    """Rewrite the folder's record as a version without the value check wrote it: the files'
+    CRC-32s and times as they are now, no `finite_values` among the checks."""
+    record_path = published / ".sidecar.json"
     record = json.loads(record_path.read_text())
-    for entry in record["files"].values():
-        entry["sha256"] = None
+    weights = (published / WEIGHTS).read_bytes()
+    record["files"][WEIGHTS]["crc32"] = crc32_hex(zlib.crc32(weights))
+    record["files"][WEIGHTS]["size_bytes"] = len(weights)
+    record["files"][WEIGHTS]["sha256"] = None
+    record["files"][WEIGHTS]["mtime_ns"] = (published / WEIGHTS).stat().st_mtime_ns
+    record["verified"] = [c for c in record["verified"] if c != CHECK_VALUES]
     record_path.write_text(json.dumps(record))
 
 
