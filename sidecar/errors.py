@@ -30,17 +30,14 @@ class SidecarError(Exception):
         return {}
 
 
-class ConfigError(SidecarError):
-    """Bad settings; carries every problem found, not just the first."""
-
-    code = "config_error"
+class ConfigError(Exception):
+    """Bad settings; carries every problem found, not just the first. Not a SidecarError: it
+    stops the start (exit code 2) and never reaches an API caller."""
 
     def __init__(self, problems: Sequence[str]) -> None:
         self.problems = list(problems)
-        super().__init__("invalid configuration:\n  - " + "\n  - ".join(self.problems))
-
-    def extra(self) -> Mapping[str, Any]:
-        return {"problems": self.problems}
+        self.message = "invalid configuration:\n  - " + "\n  - ".join(self.problems)
+        super().__init__(self.message)
 
 
 class BadRequest(SidecarError):
