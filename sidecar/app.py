@@ -19,10 +19,11 @@ from prometheus_client import CollectorRegistry
 from .api import Services, build_web_app
 from .catalog import Catalog
 from .config import Settings, is_loopback
-from .errors import SidecarError, SourceUnavailable
+from .errors import ConfigError, SidecarError, SourceUnavailable
 from .localsource import LocalSource
 from .logs import configure_logging
 from .metrics import Metrics
+from .preflight import configuration_problems
 from .source import AdapterSource, S3Source
 from .stager import Stager
 from .store import AdapterRecord, AdapterStore, remove_tree
@@ -85,9 +86,11 @@ class Sidecar:
         self._transfer_executor = policy.executor
         self.source: AdapterSource
         if settings.is_s3:
-            self.source = S3Source(settings, policy, self._count_registry_error)
+            self.source = S3Source(settings, policy, self._count_registry_error,
+                                   self.metrics.registry_skipped_folders.set)
         else:
-            self.source = LocalSource(Path(settings.registry), policy)
+            self.source = LocalSource(Path(settings.registry), policy,
+                                      self.metrics.registry_skipped_folders.set)
         self.stager = Stager(
             self.store,
             self.source,
@@ -102,16 +105,23 @@ class Sidecar:
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
         self._pins_pending = set(settings.pin)
+        self._started = False
         self.port = settings.port
 
     # ---- lifetime ----------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Raises ConfigError, with everything stopped again, when the settings cannot work
+        (sidecar/preflight.py says which problems stop a start and which only delay ready)."""
+        if isinstance(self.source, S3Source):
+            await self.source.open()
+        problems = await configuration_problems(self.settings, self.source)
+        if problems:
+            await self.stop()
+            raise ConfigError(problems)
         await self._recover()
         await self.watcher.start()
         self._spawn(self.watcher.run(), "watcher")
-        if isinstance(self.source, S3Source):
-            await self.source.open()
         services = Services(
             settings=self.settings, store=self.store, stager=self.stager, metrics=self.metrics,
             readiness=self, purge_trash=self.purge_trash, catalog=self.catalog,
@@ -134,6 +144,7 @@ class Sidecar:
         sockets = getattr(server, "sockets", None) or []
         if sockets:
             self.port = sockets[0].getsockname()[1]
+        self._started = True
         self._spawn(self._expire_leases_loop(), "leases")
         self._spawn(self._health_loop(), "health")
         self._spawn(self.catalog.run(), "catalog")
@@ -158,7 +169,8 @@ class Sidecar:
         if self._transfer_executor is not None:
             # Every download has waited for its threads; none is left running here.
             self._transfer_executor.shutdown(wait=False, cancel_futures=True)
-        log.info("lora-sidecar stopped")
+        if self._started:
+            log.info("lora-sidecar stopped")
 
     @property
     def url(self) -> str:
@@ -311,6 +323,7 @@ def serve(settings: Settings) -> int:
 
 
 async def _run(settings: Settings) -> int:
+    """Raises ConfigError for settings that cannot work; the caller makes it exit code 2."""
     sidecar = Sidecar(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
