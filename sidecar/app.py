@@ -17,6 +17,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from .api import Services, build_web_app
+from .cachelock import lock_cache_root, unlock_cache_root
 from .catalog import Catalog
 from .config import Settings, is_loopback
 from .errors import ConfigError, SidecarError, SourceUnavailable
@@ -89,7 +90,7 @@ class Sidecar:
             self.source = S3Source(settings, policy, self._count_registry_error,
                                    self.metrics.registry_skipped_folders.set)
         else:
-            self.source = LocalSource(Path(settings.registry), policy,
+            self.source = LocalSource(Path(settings.registry).expanduser().absolute(), policy,
                                       self.metrics.registry_skipped_folders.set)
         self.stager = Stager(
             self.store,
@@ -106,6 +107,7 @@ class Sidecar:
         self._runner: web.AppRunner | None = None
         self._pins_pending = set(settings.pin)
         self._started = False
+        self._lock_fd: int | None = None
         self.port = settings.port
 
     # ---- lifetime ----------------------------------------------------------------------
@@ -115,10 +117,14 @@ class Sidecar:
         (sidecar/preflight.py says which problems stop a start and which only delay ready)."""
         if isinstance(self.source, S3Source):
             await self.source.open()
-        problems = await configuration_problems(self.settings, self.source)
-        if problems:
+        try:
+            problems = await configuration_problems(self.settings, self.source)
+            if problems:
+                raise ConfigError(problems)
+            self._lock_fd = await asyncio.to_thread(lock_cache_root, self.settings.cache_root)
+        except ConfigError:
             await self.stop()
-            raise ConfigError(problems)
+            raise
         await self._recover()
         await self.watcher.start()
         self._spawn(self.watcher.run(), "watcher")
@@ -169,6 +175,8 @@ class Sidecar:
         if self._transfer_executor is not None:
             # Every download has waited for its threads; none is left running here.
             self._transfer_executor.shutdown(wait=False, cancel_futures=True)
+        unlock_cache_root(self._lock_fd)
+        self._lock_fd = None
         if self._started:
             log.info("lora-sidecar stopped")
 

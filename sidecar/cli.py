@@ -91,14 +91,17 @@ def _message(args: argparse.Namespace, body: dict[str, Any]) -> str:
     names the flag."""
     code, message = body.get("error"), str(body.get("message"))
     if code == "adapter_in_use" and args.command == "evict":
-        why = []
+        why, undo = [], []
         if body.get("pinned"):
             why.append("pinned")
+            undo.append("unpins it")
         if body.get("leases"):
             why.append(f"held by {body['leases']} live lease(s)")
+            undo.append("ends the leases")
         what = " and ".join(why) or "in use"
+        consequence = f" ({' and '.join(undo)})" if undo else ""
         return (f"adapter {args.adapter_id} is {what}; `lora-sidecar evict {args.adapter_id} "
-                "--force` evicts it anyway (it unpins the adapter and ends its leases)")
+                f"--force` evicts it anyway{consequence}")
     if code == "unauthorized":
         if _token(args) is None:
             return (f"the sidecar at {args.url} needs its API token for `{args.command}`: pass "

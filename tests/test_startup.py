@@ -4,7 +4,9 @@ listed, nothing created); a registry that does not answer does not (the sidecar 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -13,9 +15,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import aiohttp
+
 from sidecar.examples import EXAMPLE_ADAPTERS, ensure_examples
-from tests.conftest import S3Registry
+from tests.conftest import S3Registry, StartSidecar, call, s3_settings
+from tests.observing import eventually
 from tests.processes import SidecarProcess
+from tests.s3proxy import BodyFault
 
 
 def serve(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -162,3 +168,33 @@ def test_an_s3_bucket_not_created_yet_does_not_stop_the_start(
         assert status == 200, body
     finally:
         process.stop()
+
+
+async def test_a_second_sidecar_on_the_same_cache_root_stops_and_touches_nothing(
+    tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    s3.put_adapter("slow")
+    s3.proxy.body_faults = [BodyFault(lambda seen: seen.method == "GET" and "slow/adapter_model"
+                                      in seen.path, after_bytes=3000, mode="stall")]
+    settings = s3_settings(tmp_path, s3)
+    first = await start_sidecar(settings)
+    staging = asyncio.create_task(call(http, "POST", f"{first.url}/stage",
+                                       {"adapter_id": "slow"}))
+
+    async def downloading() -> list[Path]:
+        return list((settings.cache_root / ".staging").iterdir())
+
+    in_flight = await eventually(downloading, timeout_s=30, what="a download in .staging/")
+
+    second = await asyncio.to_thread(
+        serve, "--registry", s3.registry, "--s3-endpoint-url", s3.endpoint_url,
+        "--cache-root", str(settings.cache_root))
+    assert second.returncode == 2, second.stderr
+    assert f"another lora-sidecar (pid {os.getpid()})" in second.stderr
+    assert "--cache-root" in second.stderr
+    assert list((settings.cache_root / ".staging").iterdir()) == in_flight
+
+    s3.proxy.release_stalls()
+    status, body = await staging
+    assert status == 200, body
+    assert (settings.cache_root / "adapters" / "slow").is_dir()
