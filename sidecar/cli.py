@@ -106,10 +106,9 @@ def _message(args: argparse.Namespace, body: dict[str, Any]) -> str:
         if _token(args) is None:
             return (f"the sidecar at {args.url} needs its API token for `{args.command}`: pass "
                     "--token TOKEN or set LORA_SIDECAR_API_TOKEN (the token the sidecar was "
-                    "started with, its --api-token or --api-token-file)")
+                    "started with)")
         return (f"the sidecar at {args.url} refused the token given (--token or "
-                "LORA_SIDECAR_API_TOKEN): it must be the one the sidecar was started with "
-                "(its --api-token or --api-token-file)")
+                "LORA_SIDECAR_API_TOKEN): pass the token the sidecar was started with")
     if code == "stage_timeout":
         return f"{message} (--timeout sets how long this command waits)"
     return message

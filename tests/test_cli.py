@@ -183,6 +183,7 @@ async def test_a_refused_token_names_the_client_flag(
     assert "unauthorized" in err
     assert "--token" in err and "LORA_SIDECAR_API_TOKEN" in err
     assert "pass --token TOKEN" in err
+    assert "--api-token" not in err  # the sidecar's flag, not this command's
 
     code, _, err = await run_cli("pin", "a", "--url", sidecar.url, "--token", "wrong-token")
     assert code == 1
