@@ -26,7 +26,9 @@ def lock_cache_root(root: Path) -> int | None:
     path = root / LOCK_NAME
     try:
         root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # Read-only: a descriptor open for writing would keep the volume from being remounted
+        # read-only (flock needs no write access).
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         log.warning("cannot create %s (%s): the cache root is not locked", path,
                     exc.strerror or exc)
@@ -46,8 +48,10 @@ def lock_cache_root(root: Path) -> int | None:
             f"({holder}) is using this cache root; one sidecar per cache root: stop that one, "
             f"or give this one another {option.flag}"
         ]) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:  # who holds it, for the message a second sidecar prints
+        path.write_text(f"{os.getpid()}\n", encoding="ascii")
+    except OSError as exc:
+        log.warning("cannot write the pid into %s (%s)", path, exc.strerror or exc)
     return fd
 
 
