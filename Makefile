@@ -22,7 +22,7 @@ $(VENV)/.test-deps: $(BIN)/python pyproject.toml
 
 ## run: the sidecar on its embedded default registry (./registry, with two example adapters)
 run: $(VENV)/.run-deps
-	$(BIN)/lora-sidecar examples ./registry
+	$(BIN)/lora-sidecar examples ./registry --skip-if-not-empty
 	exec $(BIN)/lora-sidecar serve
 
 ## test: the whole test suite, system packages (Prometheus, docker-compose) and the real

@@ -34,6 +34,7 @@ from .clients import (
     s5cmd,
     tuned_boto3,
 )
+from .options import parse_args
 from .servers import (
     S3Server,
     Supervisor,
@@ -316,50 +317,6 @@ def terminated_as_exit() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="benchmarks/run.sh", description=__doc__)
-    parser.add_argument("--quick", action="store_true",
-                        help="27 and 84 MB adapters, one run, 3 s of load: for iterating")
-    parser.add_argument("--runs", type=int, default=None, help="timed runs per cell (3)")
-    parser.add_argument("--moto-runs", type=int, default=1,
-                        help="timed runs per cell against moto (1: its whole-object copy per "
-                        "range makes a 671 MB stage take most of a minute)")
-    parser.add_argument("--hit-runs", type=int, default=None,
-                        help="interleaved load runs per hit-path cell (3)")
-    parser.add_argument("--phases", default="loopback,moto,shaped,memory,hit",
-                        help="comma-separated subset of loopback,moto,shaped,memory,hit")
-    parser.add_argument("--only", default="",
-                        help="comma-separated adapter ids to stage (default: every one)")
-    parser.add_argument("--hit-seconds", type=float, default=None, help="load per cell (10)")
-    parser.add_argument("--dest", type=Path, default=Path("/dev/shm/lsbench"),
-                        help="where every client writes (default tmpfs: this machine's disk "
-                        "writes slower than the loopback network)")
-    parser.add_argument("--no-sidecar", action="store_true",
-                        help="only the alternatives (and no memory or hit-path phase)")
-    parser.add_argument("--sidecar-src", type=Path, default=None,
-                        help="measure the sidecar package of another checkout (e.g. a git "
-                        "worktree holding a change), run with this venv's dependencies")
-    parser.add_argument("--sidecar-arg", action="append", default=[],
-                        help="extra `lora-sidecar serve` argument (repeatable), for tuning")
-    parser.add_argument("--compare", action="append", default=[], metavar="LABEL=PATH",
-                        help="also stage with the sidecar package of another checkout, in the "
-                        "same rounds, shown as 'sidecar (LABEL)' (repeatable): side-by-side "
-                        "A/B of a change")
-    parser.add_argument("--sidecars-only", action="store_true",
-                        help="cold phases without the alternative clients (boto3, aws, s5cmd)")
-    args = parser.parse_args(argv)
-    args.phases = set(args.phases.split(","))
-    if args.no_sidecar:
-        args.phases -= {"memory", "hit"}
-    if args.runs is None:
-        args.runs = 1 if args.quick else 3
-    if args.hit_runs is None:
-        args.hit_runs = 1 if args.quick else 3
-    if args.hit_seconds is None:
-        args.hit_seconds = 3.0 if args.quick else 10.0
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,6 @@ from .errors import (
     CacheUnwritable,
     CatalogPending,
     CatalogReloading,
-    ConfigError,
     InvalidAdapter,
     InvalidAdapterId,
     LeaseNotFound,
@@ -46,7 +45,6 @@ log = logging.getLogger(__name__)
 STATUS: dict[type[SidecarError], int] = {
     BadRequest: 400,
     InvalidAdapterId: 400,
-    ConfigError: 400,
     Unauthorized: 401,
     AdapterNotFound: 404,
     NotCached: 404,
@@ -395,11 +393,9 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     problems = _services(request).readiness.problems()
     if problems:
-        return web.json_response(
-            {"error": "not_ready", "ready": False, "message": "; ".join(problems),
-             "problems": problems},
-            status=503,
-        )
+        body = NotReady("; ".join(problems)).to_json()
+        body.update(ready=False, problems=problems)
+        return web.json_response(body, status=status_of(NotReady("")))
     return web.json_response({"ready": True})
 
 

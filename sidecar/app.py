@@ -19,12 +19,13 @@ from prometheus_client import CollectorRegistry
 from .api import Services, build_web_app
 from .catalog import Catalog
 from .config import Settings, is_loopback
-from .errors import CacheOwned, SidecarError, SourceUnavailable
+from .errors import CacheOwned, ConfigError, SidecarError, SourceUnavailable
 from .leases import JournalLease, LeaseJournal
 from .localsource import LocalSource
 from .logs import configure_logging, fields
 from .metrics import Metrics
 from .ownership import EXIT_CACHE_OWNED, CacheLock
+from .preflight import configuration_problems
 from .source import AdapterSource, S3Source
 from .stager import Stager
 from .store import CHECK_VALUES, AdapterRecord, AdapterStore, add_verified, remove_tree
@@ -92,9 +93,11 @@ class Sidecar:
         self._transfer_executor = policy.executor
         self.source: AdapterSource
         if settings.is_s3:
-            self.source = S3Source(settings, policy, self._count_registry_error)
+            self.source = S3Source(settings, policy, self._count_registry_error,
+                                   self.metrics.registry_skipped_folders.set)
         else:
-            self.source = LocalSource(Path(settings.registry), policy)
+            self.source = LocalSource(Path(settings.registry).expanduser().absolute(), policy,
+                                      self.metrics.registry_skipped_folders.set)
         self.stager = Stager(
             self.store,
             self.source,
@@ -111,6 +114,7 @@ class Sidecar:
         self._runner: web.AppRunner | None = None
         self._pins_pending = set(settings.pin)
         self._pin_tasks: dict[str, asyncio.Task[None]] = {}
+        self._started = False
         self.port = settings.port
         self.lock = lock or CacheLock(settings.cache_root)  # `serve` takes it before imports
         # Set once the cache is re-indexed; until then the API answers /healthz and /readyz
@@ -132,12 +136,15 @@ class Sidecar:
                                               cache_root=str(self.settings.cache_root)))
         try:
             await self._listen()
-        except BaseException:
+        except BaseException as exc:
             if self._runner is not None:
                 await self._runner.cleanup()
                 self._runner = None
-            self.lock.release()
+            await self.source.close()
+            # Refused settings leave nothing behind, not even a cache root made for the lock.
+            self.lock.release(undo=isinstance(exc, ConfigError))
             raise
+        self._started = True
         self.lock.set_port(self.port)
         recovery = self._spawn(self._recover_then_serve(), "recovery")
         self._spawn(self._health_loop(), "health")
@@ -151,6 +158,11 @@ class Sidecar:
     async def _listen(self) -> None:
         if isinstance(self.source, S3Source):
             await self.source.open()
+        # Settings that parse but cannot work stop the start (sidecar/preflight.py says which
+        # problems stop it and which only delay ready); the caller makes it exit code 2.
+        problems = await configuration_problems(self.settings, self.source)
+        if problems:
+            raise ConfigError(problems)
         services = Services(
             settings=self.settings, store=self.store, stager=self.stager, metrics=self.metrics,
             readiness=self, purge_trash=self.purge_trash, catalog=self.catalog,
@@ -194,7 +206,8 @@ class Sidecar:
         if journal is not None:
             await asyncio.to_thread(journal.close)
         self.lock.release()  # last: everything of ours in the cache is settled
-        log.info("lora-sidecar stopped")
+        if self._started:
+            log.info("lora-sidecar stopped")
 
     @property
     def url(self) -> str:
@@ -439,6 +452,7 @@ def serve(settings: Settings, lock: CacheLock | None = None) -> int:
 
 
 async def _run(settings: Settings, lock: CacheLock | None) -> int:
+    """Raises ConfigError for settings that cannot work; the caller makes it exit code 2."""
     sidecar = Sidecar(settings, lock=lock)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -7,7 +7,9 @@ variables (`LORA_SIDECAR_<NAME>`) and `--help` are all generated from that table
 from __future__ import annotations
 
 import ipaddress
+import logging
 import math
+import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -17,7 +19,11 @@ from typing import Any, TypeVar
 
 from .errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 ENV_PREFIX = "LORA_SIDECAR_"
+# The most a start waits on the registry to judge --pin before starting anyway (preflight.py).
+REGISTRY_START_CHECK_S = 10.0
 ADAPTER_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 LLAMA_TARGET_MODULES = (
     "q_proj",
@@ -60,31 +66,41 @@ class LogFormat(Enum):
 
 _E = TypeVar("_E", bound=Enum)
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
+# Binary units only, in every option, log line, listing and error: a budget given as 20GiB
+# reads back as 20 GiB, never as "21.5 GB". Decimal spellings are refused, not reinterpreted.
+_SIZE_UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+               "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+_DECIMAL_UNITS = {"k": "KiB", "kb": "KiB", "m": "MiB", "mb": "MiB", "g": "GiB", "gb": "GiB",
+                  "t": "TiB", "tb": "TiB"}
+_SHOWN_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
 def parse_size(text: str) -> int:
-    """`"20GiB"`, `"500MB"`, `"1048576"` -> bytes."""
+    """`"20GiB"`, `"512MiB"`, `"1048576"` -> bytes. Units are binary (KiB, MiB, GiB, TiB)."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if match is None or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a size: {text!r} (use bytes or a unit such as 500MB, 20GiB)")
-    value = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
-    return int(value)
+    if match is None:
+        raise ValueError(f"not a size: {text!r} (use bytes or a binary unit: 512MiB, 20GiB)")
+    unit = match.group(2).lower()
+    if unit in _DECIMAL_UNITS:
+        raise ValueError(f"sizes use binary units (KiB, MiB, GiB, TiB), as the sidecar prints "
+                         f"them: write {match.group(1)}{_DECIMAL_UNITS[unit]} or a number of "
+                         "bytes")
+    if unit not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (use bytes or a binary unit: 512MiB, 20GiB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def format_size(size_bytes: int) -> str:
+    """Bytes for people, in the units `parse_size` reads: `8.3 KiB`, `20 GiB`, `512 B`."""
+    value = float(size_bytes)
+    for unit in _SHOWN_UNITS:
+        if round(abs(value), 1) < 1024 or unit == _SHOWN_UNITS[-1]:
+            if unit == "B":
+                return f"{size_bytes} B"
+            shown = f"{value:.1f}".removesuffix(".0")
+            return f"{shown} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
 
 
 def _parse_int(text: str) -> int:
@@ -265,7 +281,7 @@ OPTIONS: tuple[Option, ...] = (
            "ranged GETs in flight at once, across all adapters (S3 serves each connection "
            "at a fraction of a NIC: parallel ones fill it; 1 MiB of buffer each)", "N"),
     Option("max_bytes", "--max-bytes", _positive(parse_size), "20GiB",
-           "byte budget of the cache (e.g. 500GB); least recently used adapters are evicted",
+           "byte budget of the cache (e.g. 500GiB); least recently used adapters are evicted",
            "SIZE"),
     Option("max_adapters", "--max-adapters", _at_least(_parse_int, 1, "at least 1"), "256",
            "most adapters kept on disk at once", "N"),
@@ -328,6 +344,11 @@ OPTIONS: tuple[Option, ...] = (
 )
 
 _BY_FIELD = {option.field: option for option in OPTIONS}
+
+
+def option_for(field_name: str) -> Option:
+    """The option behind a settings field, to name its flag and variable in messages."""
+    return _BY_FIELD[field_name]
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,6 +440,8 @@ class Settings:
                 value = "<set>" if value else None
             elif isinstance(value, Enum):
                 value = value.value
+            elif option.metavar == "SIZE":
+                value = format_size(value)
             elif isinstance(value, Path):
                 value = str(value)
             elif isinstance(value, str):
@@ -451,3 +474,29 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def local_registry_problem(registry: str) -> str | None:
+    """Why a local --registry cannot work, or None. An S3 registry is never judged here: one
+    that does not answer yet may still come up (services start in any order)."""
+    if registry.startswith("s3://") or "://" in registry:
+        return None
+    option = _BY_FIELD["registry"]
+    folder = Path(registry).expanduser().absolute()
+    prefix = f"{option.flag} ({option.env_var}) = {registry!r}"
+    try:
+        with os.scandir(folder) as entries:
+            next(entries, None)
+    except FileNotFoundError:
+        return (f"{prefix}: the folder {folder} does not exist; create it (`lora-sidecar "
+                f"examples {registry}` writes two example adapters into it), or name an "
+                "existing folder or s3://bucket/prefix")
+    except NotADirectoryError:
+        return f"{prefix}: {folder} is not a folder (one sub-folder per adapter is expected)"
+    except PermissionError:
+        return f"{prefix}: the folder {folder} cannot be read (permission denied)"
+    except OSError as exc:
+        # An I/O error (a network file system that blinks) can pass: readiness reports it.
+        log.warning("cannot read the registry folder %s at start (%s); starting anyway",
+                    folder, exc.strerror or exc)
+    return None

@@ -31,17 +31,14 @@ class SidecarError(Exception):
         return {}
 
 
-class ConfigError(SidecarError):
-    """Bad settings; carries every problem found, not just the first."""
-
-    code = "config_error"
+class ConfigError(Exception):
+    """Bad settings; carries every problem found, not just the first. Not a SidecarError: it
+    stops the start (exit code 2) and never reaches an API caller."""
 
     def __init__(self, problems: Sequence[str]) -> None:
         self.problems = list(problems)
-        super().__init__("invalid configuration:\n  - " + "\n  - ".join(self.problems))
-
-    def extra(self) -> Mapping[str, Any]:
-        return {"problems": self.problems}
+        self.message = "invalid configuration:\n  - " + "\n  - ".join(self.problems)
+        super().__init__(self.message)
 
 
 class BadRequest(SidecarError):
@@ -209,13 +206,12 @@ class NotReady(SidecarError):
     code = "not_ready"
 
 
-class CacheOwned(SidecarError):
-    """Another process owns the cache root (or its lock cannot be taken): this one must not
-    start, and touches nothing."""
-
-    code = "cache_in_use"
+class CacheOwned(Exception):
+    """Another process owns the cache root: this one must not start, and touches nothing. Not
+    a SidecarError: it stops the start (exit code 3) and never reaches an API caller."""
 
     def __init__(self, message: str, *, cache_root: Path, owner: object = None) -> None:
         super().__init__(message)
+        self.message = message
         self.cache_root = cache_root
         self.owner = owner

@@ -16,17 +16,19 @@ from pathlib import Path
 from .checksum import crc32_hex
 from .config import is_valid_adapter_id
 from .errors import AdapterNotFound, SourceChanged, SourceUnavailable
-from .source import FetchedFile, Listing, RemoteFile, is_safe_file_name
+from .source import FetchedFile, Listing, RemoteFile, SkippedFolders, is_safe_file_name
 from .transfer import Inspector, TransferPolicy, download, open_in_thread
 
 log = logging.getLogger(__name__)
 
 
 class LocalSource:
-    def __init__(self, root: Path, policy: TransferPolicy) -> None:
+    def __init__(self, root: Path, policy: TransferPolicy,
+                 on_skipped: Callable[[int], None] | None = None) -> None:
         self.root = root
         self.description = str(root)
         self._policy = policy
+        self._skipped = SkippedFolders(str(root.absolute()), on_skipped)
 
     async def open(self) -> None:
         return None
@@ -42,15 +44,24 @@ class LocalSource:
 
     async def list_adapter_ids(self) -> list[str]:
         await self.probe()
-        return await asyncio.to_thread(self._scan_ids)
+        ids, skipped = await asyncio.to_thread(self._scan_ids)
+        self._skipped.note(skipped)
+        return ids
 
-    def _scan_ids(self) -> list[str]:
-        ids = []
+    def _scan_ids(self) -> tuple[list[str], list[str]]:
+        """The adapter ids, and the folders left out; plain files are not folders at all."""
+        ids, skipped = [], []
         with os.scandir(self.root) as entries:
             for entry in entries:
-                if entry.is_dir(follow_symlinks=False) and is_valid_adapter_id(entry.name):
+                if entry.is_symlink() and entry.is_dir():
+                    skipped.append(f"{entry.name} (a symbolic link, never followed)")
+                elif not entry.is_dir(follow_symlinks=False):
+                    continue
+                elif is_valid_adapter_id(entry.name):
                     ids.append(entry.name)
-        return sorted(ids)
+                else:
+                    skipped.append(entry.name)
+        return sorted(ids), skipped
 
     async def list_files(self, adapter_id: str) -> Listing:
         await self.probe()

@@ -56,6 +56,7 @@ class CacheLock:
         self.root = root
         self._fd: int | None = None
         self._owner: Owner | None = None
+        self._created_root = False
 
     @property
     def held(self) -> bool:
@@ -68,7 +69,9 @@ class CacheLock:
     def acquire(self, port: int | None) -> None:
         """Blocking but instant (a non-blocking flock): fine on the loop at start-up."""
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            if not self.root.exists():
+                self.root.mkdir(parents=True)
+                self._created_root = True
             # Read-only: flock needs no more, and a descriptor open for writing would keep
             # the volume from being remounted read-only.
             fd = os.open(self.root / LOCK_NAME, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -101,7 +104,9 @@ class CacheLock:
             self._owner = Owner(self._owner.pid, self._owner.host, port, self._owner.started_at)
             self._write_owner()
 
-    def release(self) -> None:
+    def release(self, *, undo: bool = False) -> None:
+        """Drop the lock. `undo`: the start was refused before anything else was written, so
+        a cache root this lock created goes again (a refused start leaves nothing behind)."""
         fd, self._fd = self._fd, None
         if fd is None:
             return
@@ -109,6 +114,12 @@ class CacheLock:
             (self.root / OWNER_NAME).unlink(missing_ok=True)
         except OSError:
             pass  # the next owner overwrites it
+        if undo and self._created_root:
+            try:
+                (self.root / LOCK_NAME).unlink(missing_ok=True)
+                self.root.rmdir()  # only if nothing else was written meanwhile
+            except OSError:
+                pass
         os.close(fd)  # drops the lock
 
     def _write_owner(self) -> None:

@@ -20,7 +20,7 @@ from aiobotocore.session import get_session
 from botocore import exceptions as bce
 
 from .checksum import crc32_hex, s3_checksum_hex
-from .config import Settings, hide_password, is_valid_adapter_id
+from .config import ADAPTER_ID_PATTERN, Settings, hide_password, is_valid_adapter_id
 from .errors import (
     AdapterNotFound,
     SidecarError,
@@ -29,6 +29,7 @@ from .errors import (
     SourceUnavailable,
 )
 from .httpranges import ConnectionPool, RangeReader
+from .logs import fields
 from .proxies import botocore_proxies
 from .transfer import Inspector, TransferPolicy, download
 
@@ -86,6 +87,36 @@ class AdapterSource(Protocol):
     async def close(self) -> None: ...
 
 
+SHOWN_SKIPPED = 20  # folder names quoted in one log line
+
+
+class SkippedFolders:
+    """Registry folders a listing leaves out (names that are not adapter ids): logged once
+    each time the set changes, not at every listing, and counted in a gauge."""
+
+    def __init__(self, description: str, on_count: Callable[[int], None] | None) -> None:
+        self._description = description
+        self._on_count = on_count
+        self._last: frozenset[str] = frozenset()
+
+    def note(self, skipped: list[str]) -> None:
+        names = frozenset(skipped)
+        if self._on_count is not None:
+            self._on_count(len(names))
+        if names == self._last:
+            return
+        self._last = names
+        if not names:
+            log.info("registry %s: no folder is skipped any more", self._description)
+            return
+        shown = ", ".join(repr(name[:100]) for name in sorted(names)[:SHOWN_SKIPPED])
+        more = f" (+{len(names) - SHOWN_SKIPPED} more)" if len(names) > SHOWN_SKIPPED else ""
+        log.warning("registry %s: skipping %d folder(s) that cannot be adapters (ids match "
+                    "%s): %s%s", self._description, len(names), ADAPTER_ID_PATTERN.pattern,
+                    shown, more, extra=fields(event="registry_folders_skipped",
+                                              skipped=len(names)))
+
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-][A-Za-z0-9._ -]{0,254}$")
 
 
@@ -103,12 +134,14 @@ def is_safe_file_name(name: str) -> bool:
 class S3Source:
     """Adapters under s3://bucket/prefix/<adapter_id>/<file>."""
 
-    def __init__(self, settings: Settings, policy: TransferPolicy, on_error: Callable[[str], None]):
+    def __init__(self, settings: Settings, policy: TransferPolicy, on_error: Callable[[str], None],
+                 on_skipped: Callable[[int], None] | None = None):
         location = settings.registry.removeprefix("s3://")
         bucket, _, prefix = location.partition("/")
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.description = f"s3://{bucket}/{self.prefix}"
+        self._skipped = SkippedFolders(self.description, on_skipped)
         self._settings = settings
         self._policy = policy
         self._on_error = on_error
@@ -156,6 +189,7 @@ class S3Source:
 
     async def list_adapter_ids(self) -> list[str]:
         ids: list[str] = []
+        skipped: list[str] = []
         token: str | None = None
         while True:
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix,
@@ -168,9 +202,9 @@ class S3Source:
                 if is_valid_adapter_id(adapter_id):
                     ids.append(adapter_id)
                 else:
-                    log.warning("ignoring registry folder with an invalid adapter id: %r",
-                                adapter_id)
+                    skipped.append(adapter_id)
             if not page.get("IsTruncated"):
+                self._skipped.note(skipped)
                 return sorted(ids)
             token = page.get("NextContinuationToken")
 

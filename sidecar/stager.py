@@ -274,8 +274,9 @@ class Stager:
             staging = None
             elapsed = time.perf_counter() - started
             self._metrics.download_duration.observe(elapsed)
-            log.info("staged adapter_id=%s bytes=%d files=%d in %.2fs (%.1f MB/s)", adapter_id,
-                     size_bytes, len(listing.files), elapsed, size_bytes / 1e6 / max(elapsed, 1e-6),
+            log.info("staged adapter_id=%s bytes=%d files=%d in %.2fs (%.1f MiB/s)", adapter_id,
+                     size_bytes, len(listing.files), elapsed,
+                     size_bytes / 1024**2 / max(elapsed, 1e-6),
                      extra=fields(event="staged", adapter_id=adapter_id, size_bytes=size_bytes,
                                   files=len(listing.files), duration_s=round(elapsed, 3)))
             # Trimmed in the same loop step as the publication, never after an await: no

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .checksum import crc32_hex
-from .config import is_valid_adapter_id
+from .config import format_size, is_valid_adapter_id
 from .errors import AdapterInUse, CacheFull, LeaseNotFound, NotCached
 from .leases import JOURNAL_NAME, JournalLease, LeaseJournal, lease_digest
 from .logs import fields
@@ -561,10 +561,11 @@ class AdapterStore:
         pinned_bytes = sum(a.size_bytes for a in pinned)
         if size_bytes > room_bytes:
             raise CacheFull(
-                f"adapter {adapter_id} needs {size_bytes} bytes but only {max(room_bytes, 0)} "
-                f"of the {self.max_bytes}-byte budget can be made free ({held_bytes} bytes are "
-                f"held by {len(held)} pinned or leased adapters, {reserved_bytes} by downloads "
-                "in progress)",
+                f"adapter {adapter_id} needs {format_size(size_bytes)} but only "
+                f"{format_size(max(room_bytes, 0))} of the {format_size(self.max_bytes)} budget "
+                f"(--max-bytes) can be made free ({format_size(held_bytes)} are held by "
+                f"{len(held)} pinned or leased adapters, {format_size(reserved_bytes)} by "
+                "downloads in progress)",
                 adapter_id=adapter_id,
                 retryable=size_bytes <= self.max_bytes - pinned_bytes,
             )
@@ -602,10 +603,11 @@ class AdapterStore:
                 freed += self._index[candidate].size_bytes
         if free + freed < needed_bytes:
             raise CacheFull(
-                f"adapter {adapter_id} needs {needed_bytes} bytes on disk but the cache "
-                f"filesystem has {max(free, 0)} bytes free above the {self.min_free_bytes}-byte "
-                f"floor, and evicting every unpinned, unleased adapter would free only {freed} "
-                "more; nothing was evicted",
+                f"adapter {adapter_id} needs {format_size(needed_bytes)} on disk but the cache "
+                f"filesystem has {format_size(max(free, 0))} free above the "
+                f"{format_size(self.min_free_bytes)} floor (--min-free-disk), and evicting every "
+                f"unpinned, unleased adapter would free only {format_size(freed)} more; nothing "
+                "was evicted",
                 adapter_id=adapter_id,
                 retryable=needed_bytes <= shutil.disk_usage(self.root).total - self.min_free_bytes,
             )

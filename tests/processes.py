@@ -29,7 +29,7 @@ class SidecarProcess:
 
     def __init__(self, args: list[str], log_path: Path,
                  env: Mapping[str, str] | None = None, port: int | None = None, *,
-                 wait_recovered: bool = True) -> None:
+                 wait_recovered: bool = True, cwd: Path | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -37,7 +37,7 @@ class SidecarProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "sidecar", "serve", "--port", str(self.port), *args],
             stdout=self._log, stderr=subprocess.STDOUT,
-            env=dict(os.environ if env is None else env),
+            env=dict(os.environ if env is None else env), cwd=cwd,
         )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
