@@ -17,7 +17,7 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,10 @@ STANDIN_DIR = Path(__file__).resolve().parent / "standin_vllm"
 CATALOG_LINK = Path("vllm_model") / "1" / "multi_lora.json"
 ROUTER = "multilora_router"
 VLLM_MODEL = "vllm_model"
+ADAPTER_HEADER = "x-adapter-id"
+# How a deployment starts Triton so the router sees the header a routing proxy hashes on.
+HEADER_FORWARD_ARGS = (f"--grpc-header-forward-pattern=^{ADAPTER_HEADER}$",
+                       f"--http-header-forward-pattern=^{ADAPTER_HEADER}$")
 
 
 def pytriton_dir() -> Path:
@@ -103,7 +107,8 @@ class TritonServer:
 
     @classmethod
     def start(cls, workdir: Path, catalog_path: Path, *, env: Mapping[str, str] | None = None,
-              ready_timeout_s: float = 60.0) -> TritonServer:
+              ready_timeout_s: float = 60.0,
+              args: Sequence[str] = HEADER_FORWARD_ARGS) -> TritonServer:
         backends = build_backends(workdir / "backends")
         repository = copy_model_repository(workdir / "model_repository", catalog_path)
         libs = pytriton_dir().parent.parent / "nvidia_pytriton.libs"
@@ -138,6 +143,7 @@ class TritonServer:
                     "--allow-metrics=false",
                     "--exit-timeout-secs=2",
                     "--log-verbose=0",
+                    *args,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
