@@ -30,7 +30,7 @@ test: $(VENV)/.test-deps system-deps
 	$(BIN)/python -m pytest -q
 
 system-deps:
-	./scripts/install-system-deps.sh
+	VENV_BIN=$(abspath $(BIN)) ./scripts/install-system-deps.sh
 
 lint: $(VENV)/.test-deps
 	$(BIN)/ruff check sidecar tests triton_repo compose benchmarks
