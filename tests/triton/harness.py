@@ -65,9 +65,10 @@ def build_backends(dest: Path) -> Path:
     return dest
 
 
-def copy_model_repository(dest: Path, catalog_path: Path) -> Path:
-    """triton_repo as checked in, but for the one link to the catalog the sidecar renders."""
-    shutil.copytree(TRITON_REPO, dest, symlinks=True,
+def copy_model_repository(dest: Path, catalog_path: Path, source: Path = TRITON_REPO) -> Path:
+    """triton_repo as checked in (or `source`), but for the one link to the catalog the sidecar
+    renders."""
+    shutil.copytree(source, dest, symlinks=True,
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     link = dest / CATALOG_LINK
     link.unlink()
@@ -75,14 +76,15 @@ def copy_model_repository(dest: Path, catalog_path: Path) -> Path:
     return dest
 
 
-def router_config(sidecar_url: str, *, instances: int | None = None, **parameters: str) -> str:
+def router_config(sidecar_url: str, *, instances: int | None = None,
+                  repository: Path = TRITON_REPO, **parameters: str) -> str:
     """The router's checked-in config.pbtxt as JSON with other parameter values (and instance
     count), for a load with a config override: the files stay as checked in."""
     from google.protobuf import json_format, text_format
     from tritonclient.grpc import model_config_pb2
 
     config = model_config_pb2.ModelConfig()
-    text_format.Parse((TRITON_REPO / ROUTER / "config.pbtxt").read_text(), config)
+    text_format.Parse((repository / ROUTER / "config.pbtxt").read_text(), config)
     for key, value in {"sidecar_url": sidecar_url, **parameters}.items():
         config.parameters[key].string_value = value
     if instances is not None:
@@ -108,9 +110,10 @@ class TritonServer:
     @classmethod
     def start(cls, workdir: Path, catalog_path: Path, *, env: Mapping[str, str] | None = None,
               ready_timeout_s: float = 60.0,
-              args: Sequence[str] = HEADER_FORWARD_ARGS) -> TritonServer:
+              args: Sequence[str] = HEADER_FORWARD_ARGS,
+              http_port: int | None = None, source: Path = TRITON_REPO) -> TritonServer:
         backends = build_backends(workdir / "backends")
-        repository = copy_model_repository(workdir / "model_repository", catalog_path)
+        repository = copy_model_repository(workdir / "model_repository", catalog_path, source)
         libs = pytriton_dir().parent.parent / "nvidia_pytriton.libs"
         libdir = sysconfig.get_config_var("LIBDIR")
         libpython = f"libpython{sys.version_info.major}.{sys.version_info.minor}.so.1.0"
@@ -129,7 +132,7 @@ class TritonServer:
             p for p in (str(libs), libdir, child_env.get("LD_LIBRARY_PATH")) if p
         )
         child_env.update(env or {})
-        http_port, grpc_port = free_port(), free_port()
+        http_port, grpc_port = http_port or free_port(), free_port()
         log_path = workdir / "tritonserver.log"
         with log_path.open("wb") as log:
             process = subprocess.Popen(
