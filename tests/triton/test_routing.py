@@ -544,9 +544,10 @@ async def test_proxy_variables_never_divert_a_sidecar_call(
             monkeypatch.setenv(name, value)
         monkeypatch.delenv("no_proxy", raising=False)
         monkeypatch.delenv("NO_PROXY", raising=False)
+        # An opener of its own: urlopen's global one would keep this proxy for later tests.
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler())
         with pytest.raises(urllib.error.HTTPError):
-            await asyncio.to_thread(urllib.request.urlopen, "http://127.0.0.1:9/stage",
-                                    timeout=5)
+            await asyncio.to_thread(opener.open, "http://127.0.0.1:9/stage", timeout=5)
         assert len(proxy.requests()) == 1
 
         runner, url, peers = await serve_sidecar()
