@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import statistics
 import subprocess
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=40,
                         help="most warm calls measured while the downloads are held")
     args = parser.parse_args(argv)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's access log, per request
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     moto.start()
     host, port = moto.get_host_and_port()
