@@ -39,7 +39,7 @@ engine-env:
 	PYTHON=$(PYTHON) ./scripts/engine-env.sh
 
 system-deps:
-	./scripts/install-system-deps.sh
+	VENV_BIN=$(abspath $(BIN)) ./scripts/install-system-deps.sh
 
 lint: $(VENV)/.test-deps
 	$(BIN)/ruff check sidecar tests triton_repo compose benchmarks

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from .config import Settings
+from .epp import EppExporter
 from .errors import (
     AdapterInUse,
     AdapterNotFound,
@@ -103,6 +104,7 @@ class Services:
     catalog: CatalogView | None = None
     recovered: asyncio.Event | None = None  # None: nothing to recover (set up in tests)
     on_unpin: Callable[[str], bool] | None = None  # unpins pins still pending, too
+    epp: EppExporter | None = None  # /metrics/epp, when --epp-metrics is on
     triton_adapters_prefix: str = field(init=False)
     local_adapters_prefix: str = field(init=False)
     stage_fragments: dict[str, tuple[CachedAdapter, str]] = field(init=False, default_factory=dict)
@@ -404,6 +406,13 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
+async def metrics_epp(request: web.Request) -> web.Response:
+    exporter = _services(request).epp
+    if exporter is None:
+        return _http_error(404, "/metrics/epp is off; start the sidecar with --epp-metrics true")
+    return web.Response(body=exporter.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
 async def catalog(request: web.Request) -> web.Response:
     services = _services(request)
     if services.catalog is None:
@@ -479,14 +488,19 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/healthz", healthz),
     ("GET", "/readyz", readyz),
     ("GET", "/metrics", metrics),
+    ("GET", "/metrics/epp", metrics_epp),
     ("GET", "/catalog", catalog),
 )
+# What the --metrics-host listener serves: read-only, nothing about a tenant's adapter.
+READ_ONLY_ROUTES: tuple[tuple[str, str, Handler], ...] = tuple(
+    route for route in ROUTES if route[1] in ("/healthz", "/readyz", "/metrics", "/metrics/epp"))
 
 
-def build_web_app(services: Services) -> web.Application:
+def build_web_app(services: Services,
+                  routes: tuple[tuple[str, str, Handler], ...] = ROUTES) -> web.Application:
     app = web.Application(client_max_size=services.settings.max_request_bytes)
     app[SERVICES] = services
-    for method, path, handler in ROUTES:
+    for method, path, handler in routes:
         app.router.add_route(method, path, json_errors(handler))
         # Registered after the real method, so it only answers the others (HEAD comes with GET).
         app.router.add_route("*", path, _method_not_allowed(method))

@@ -16,9 +16,10 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from .api import Services, build_web_app
+from .api import READ_ONLY_ROUTES, Services, build_web_app
 from .catalog import Catalog
 from .config import Settings, is_loopback
+from .epp import AdapterSet, EppExporter
 from .errors import CacheOwned, ConfigError, SidecarError, SourceUnavailable
 from .leases import JournalLease, LeaseJournal
 from .localsource import LocalSource
@@ -26,6 +27,7 @@ from .logs import configure_logging, fields
 from .metrics import Metrics
 from .ownership import EXIT_CACHE_OWNED, CacheLock
 from .preflight import configuration_problems
+from .seed import REPOSITORY_DIR, seed_model_repository
 from .source import AdapterSource, S3Source
 from .stager import Stager
 from .store import CHECK_VALUES, AdapterRecord, AdapterStore, add_verified, remove_tree
@@ -112,6 +114,7 @@ class Sidecar:
         self.watcher = Watcher(self.store, self.rules, self.metrics, on_trash=self.purge_trash)
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
+        self._metrics_runner: web.AppRunner | None = None
         self._pins_pending = set(settings.pin)
         self._pin_tasks: dict[str, asyncio.Task[None]] = {}
         self._started = False
@@ -121,6 +124,11 @@ class Sidecar:
         # and holds every call that needs the index.
         self.recovered = asyncio.Event()
         self._recovery_progress: tuple[int, int] | None = None  # (checked, found) folders
+        self.metrics_port = settings.metrics_port
+        self.epp: EppExporter | None = None
+        if settings.epp_metrics:
+            self.epp = EppExporter(self._adapter_set, prefix=settings.epp_adapter_prefix,
+                                   max_label_bytes=settings.epp_label_max_bytes)
 
     # ---- lifetime ----------------------------------------------------------------------
 
@@ -137,9 +145,10 @@ class Sidecar:
         try:
             await self._listen()
         except BaseException as exc:
-            if self._runner is not None:
-                await self._runner.cleanup()
-                self._runner = None
+            for runner in (self._runner, self._metrics_runner):
+                if runner is not None:
+                    await runner.cleanup()
+            self._runner = self._metrics_runner = None
             await self.source.close()
             # Refused settings leave nothing behind, not even a cache root made for the lock.
             self.lock.release(undo=isinstance(exc, ConfigError))
@@ -163,34 +172,32 @@ class Sidecar:
         problems = await configuration_problems(self.settings, self.source)
         if problems:
             raise ConfigError(problems)
+        if self.settings.seed_model_repository is not None:
+            # Before the port binds: a startup probe passes only once Triton's repository is
+            # on the volume.
+            await asyncio.to_thread(seed_model_repository, self.settings.seed_model_repository,
+                                    self.settings.cache_root / REPOSITORY_DIR)
         services = Services(
             settings=self.settings, store=self.store, stager=self.stager, metrics=self.metrics,
             readiness=self, purge_trash=self.purge_trash, catalog=self.catalog,
-            recovered=self.recovered, on_unpin=self.unpin,
+            recovered=self.recovered, on_unpin=self.unpin, epp=self.epp,
         )
-        app = build_web_app(services)
-        self._runner = web.AppRunner(
-            app,
-            access_log=None,
-            handler_cancellation=False,  # a client hanging up must not cancel a shared stage
-            shutdown_timeout=SHUTDOWN_GRACE_S,
-            max_line_size=8190,  # bounded request line and headers
-            max_field_size=8190,
-            max_headers=64,
-        )
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.settings.host, self.settings.port,
-                           backlog=1024, reuse_address=True)
-        await site.start()
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        if sockets:
-            self.port = sockets[0].getsockname()[1]
+        self._runner, self.port = await _serve_http(build_web_app(services),
+                                                    self.settings.host, self.settings.port)
+        if self.settings.metrics_host is not None:
+            self._metrics_runner, self.metrics_port = await _serve_http(
+                build_web_app(services, READ_ONLY_ROUTES), self.settings.metrics_host,
+                self.settings.metrics_port)
+            log.info("read-only listener (metrics, probes) on http://%s:%d",
+                     self.settings.metrics_host, self.metrics_port)
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()  # stop accepting HTTP first
             self._runner = None
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+            self._metrics_runner = None
         await self.watcher.stop()
         for task in list(self._tasks):
             task.cancel("sidecar shutting down")
@@ -228,6 +235,13 @@ class Sidecar:
         if catalog_problem is not None:
             problems.append(catalog_problem)
         return problems
+
+    def _adapter_set(self) -> AdapterSet:
+        snap = self.store.snapshot()
+        room = (snap.cache_adapters < snap.capacity_adapters
+                and snap.cache_bytes < snap.capacity_bytes)
+        return AdapterSet([a.adapter_id for a in self.store.adapters()], self.stager.inflight,
+                          room)
 
     # ---- start-up recovery -------------------------------------------------------------
 
@@ -419,6 +433,28 @@ class Sidecar:
 
     def _count_registry_error(self, operation: str) -> None:
         self.metrics.registry_errors.labels(operation=operation).inc()
+
+
+async def _serve_http(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve `app` on host:port; the runner and the port bound (port 0 picks one)."""
+    runner = web.AppRunner(
+        app,
+        access_log=None,
+        handler_cancellation=False,  # a client hanging up must not cancel a shared stage
+        shutdown_timeout=SHUTDOWN_GRACE_S,
+        max_line_size=8190,  # bounded request line and headers
+        max_field_size=8190,
+        max_headers=64,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    sockets = getattr(site._server, "sockets", None) or []
+    return runner, sockets[0].getsockname()[1] if sockets else port
 
 
 def _check_writable(folder: Path) -> str | None:

@@ -216,6 +216,21 @@ def _parse_list(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError("use true or false")
+
+
+def _parse_label_prefix(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9._/:-]*", text.strip()):
+        raise ValueError("use letters, digits and . _ / : - only")
+    return text.strip()
+
+
 def _parse_optional_str(text: str) -> str | None:
     return text.strip() or None
 
@@ -261,6 +276,26 @@ OPTIONS: tuple[Option, ...] = (
            "ADDR"),
     Option("port", "--port", _parse_port, "8500", "port of the HTTP API (0 picks a free one)",
            "PORT"),
+    Option("metrics_host", "--metrics-host", _parse_optional_str, "",
+           "address of a second, read-only listener (GET /metrics, /metrics/epp, /healthz, "
+           "/readyz), e.g. the pod IP or 0.0.0.0, while the API stays on --host "
+           "(default: none)", "ADDR"),
+    Option("metrics_port", "--metrics-port", _parse_port, "9400",
+           "port of the --metrics-host listener", "PORT"),
+    Option("epp_metrics", "--epp-metrics", _parse_bool, "false",
+           "serve GET /metrics/epp: the adapter set as the model-server protocol's "
+           "lora_requests_info gauge, for an endpoint picker (llm-d)", "BOOL"),
+    Option("epp_adapter_prefix", "--epp-adapter-prefix", _parse_label_prefix, "",
+           "put before each adapter id in /metrics/epp (the model name an endpoint picker "
+           "sees, e.g. base-model/)", "TEXT"),
+    Option("epp_label_max_bytes", "--epp-label-max-bytes",
+           _at_least(_parse_int, 64, "at least 64"), "4096",
+           "longest adapter list in a /metrics/epp label; the most recently used are kept",
+           "N"),
+    Option("seed_model_repository", "--seed-model-repository", _parse_optional_path, "",
+           "a Triton model repository template to copy into <cache-root>/model_repository "
+           "at start (only what differs is written), so Triton loads a repository on the "
+           "cache volume while the template stays read-only", "DIR"),
     Option("s3_endpoint_url", "--s3-endpoint-url", _parse_http_url, "",
            "S3-compatible endpoint, e.g. http://minio:9000 (default: AWS)", "URL"),
     Option("s3_region", "--s3-region", _parse_optional_str, "",
@@ -358,6 +393,12 @@ class Settings:
     triton_cache_root: Path | None = None
     host: str = "127.0.0.1"
     port: int = 8500
+    metrics_host: str | None = None
+    metrics_port: int = 9400
+    epp_metrics: bool = False
+    epp_adapter_prefix: str = ""
+    epp_label_max_bytes: int = 4096
+    seed_model_repository: Path | None = None
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
     s3_connect_timeout_s: float = 5.0
@@ -465,6 +506,9 @@ def _check(p: Mapping[str, Any]) -> Iterable[str]:
     """Checks across options; only run once every option parsed on its own."""
     if len(p["pin"]) > p["max_adapters"]:
         yield f"--pin lists {len(p['pin'])} adapters but --max-adapters is {p['max_adapters']}"
+    if p["metrics_host"] == p["host"] and p["metrics_port"] == p["port"] and p["port"] != 0:
+        yield (f"--metrics-host/--metrics-port {p['metrics_host']}:{p['metrics_port']} is the "
+               "API's own address; give the read-only listener another port")
 
 
 def is_loopback(host: str) -> bool:
