@@ -295,15 +295,22 @@ class ComposeProject:
 
     def wait_healthy(self, services: Sequence[str], timeout_s: float) -> dict[str, float]:
         """Wait until every service is healthy; return the seconds each took from now. A
-        service that exits or turns unhealthy fails at once, with its log."""
+        service that exits, turns unhealthy or was restarted by its restart policy fails at
+        once, with its log."""
         start = time.monotonic()
         took: dict[str, float] = {}
         while len(took) < len(services):
             for service in services:
                 if service in took:
                     continue
-                state = self.state(service)
+                container = self.docker.inspect(self.container(service))
+                state = container["State"]
                 health = (state.get("Health") or {}).get("Status")
+                # Checked first: `restart: unless-stopped` hides a crash (an engine that failed
+                # to load starts again, and may even turn healthy before crashing once more).
+                if state["Restarting"] or container["RestartCount"] > 0:
+                    raise DockerError(f"{service} restarted (crashed):\n"
+                                      + self.logs(service, 200))
                 if health == "healthy":
                     took[service] = time.monotonic() - start
                 elif health == "unhealthy" or state["Status"] in ("exited", "dead"):

@@ -443,6 +443,10 @@ def test_a_refused_adapter_fails_minio_init_with_its_reasons(node: Node) -> None
 def test_down_leaves_nothing_behind(node: Node, docker: Docker, images: Images,
                                     compose_figures: dict[str, str]) -> None:
     project = node.project
+    # No service crashed at any point of the run (its restart policy would hide it).
+    restarts = {service: project.docker.inspect(project.container(service))["RestartCount"]
+                for service in ("minio", "sidecar", "triton", "prometheus")}
+    assert set(restarts.values()) == {0}, restarts
     for service in ("minio", "sidecar", "triton", "prometheus"):
         peak = _peak_memory_bytes(project.container(service))
         if peak is not None:
