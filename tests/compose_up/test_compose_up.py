@@ -103,6 +103,10 @@ def _stock_backend_in_context(cache: Path) -> Iterator[str]:
     copied into compose/triton-cpu/vllm_backend/ for the build (and removed after), as a user
     without GitHub does; `release` (the Dockerfile fetches the tag's files) when no copy is at
     hand."""
+    mark = cache / "backend-copied-into-context"  # outside the build context
+    if mark.exists():  # a copy left by a run that was killed: not the user's, made again
+        shutil.rmtree(BACKEND_CONTEXT, ignore_errors=True)
+        mark.unlink()
     if (BACKEND_CONTEXT / "model.py").is_file():  # a copy of the user's own: used as it is
         yield "context"
         return
@@ -110,6 +114,7 @@ def _stock_backend_in_context(cache: Path) -> Iterator[str]:
     if lookup.path is None:
         yield "release"
         return
+    mark.touch()
     try:
         shutil.copytree(lookup.path, BACKEND_CONTEXT,
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
@@ -119,6 +124,7 @@ def _stock_backend_in_context(cache: Path) -> Iterator[str]:
         yield "context"
     finally:
         shutil.rmtree(BACKEND_CONTEXT, ignore_errors=True)
+        mark.unlink(missing_ok=True)
 
 
 @dataclass
