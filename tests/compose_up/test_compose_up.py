@@ -36,6 +36,7 @@ from tests.compose_up.docker import (
     Built,
     ComposeProject,
     Docker,
+    DockerError,
     build,
     debian_base,
     wheel_server,
@@ -112,7 +113,13 @@ def _stock_backend_in_context(cache: Path) -> Iterator[str]:
         return
     lookup = find_vllm_backend(cache)
     if lookup.path is None:
-        yield "release"
+        try:
+            yield "release"
+        except DockerError as exc:  # the build could not fetch the files either: say where
+            raise DockerError(  # the test looked, not only what the build's fetch answered
+                f"{exc}\n\nThe CPU Triton image fetches the stock vLLM backend from GitHub "
+                f"when no copy is at hand, and that failed. Looked for a copy: "
+                f"{'; '.join(lookup.tried)}. {lookup.fix()}") from None
         return
     mark.touch()
     try:
