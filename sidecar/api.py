@@ -90,7 +90,11 @@ class Readiness(Protocol):
 class CatalogView(Protocol):
     def status(self) -> dict[str, Any]: ...
 
-    def check_servable(self, adapter_id: str) -> None: ...
+    def lora_name(self, adapter_id: str) -> str | None: ...
+
+    async def bind(self, adapter_id: str) -> str: ...
+
+    def request_compaction(self) -> dict[str, Any]: ...
 
 
 @dataclass(slots=True)
@@ -123,9 +127,10 @@ _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "evict": {"adapter_id": (str,), "force": (bool,)},
     "pin": {"adapter_id": (str,), "timeout_s": (int, float)},
     "unpin": {"adapter_id": (str,)},
+    "compact": {},
 }
 _REQUIRED = {"stage": "adapter_id", "release": "lease_id", "evict": "adapter_id",
-             "pin": "adapter_id", "unpin": "adapter_id"}
+             "pin": "adapter_id", "unpin": "adapter_id", "compact": None}
 
 
 async def _read_body(request: web.Request) -> bytes:
@@ -166,7 +171,7 @@ async def _body(request: web.Request, kind: str) -> dict[str, Any]:
         raise BadRequest(f"unknown field(s) {', '.join(map(repr, unknown))[:200]}; "
                          f"expected {', '.join(fields)}")
     required = _REQUIRED[kind]
-    if required not in body:
+    if required is not None and required not in body:
         raise BadRequest(f"missing field {required!r}")
     for name, value in body.items():
         types = fields[name]
@@ -219,7 +224,7 @@ def adapter_view(services: Services, adapter: CachedAdapter) -> dict[str, Any]:
     }
 
 
-def _stage_json(services: Services, result: StageResult) -> str:
+def _stage_json(services: Services, result: StageResult, lora_name: str) -> str:
     """The /stage answer. This is the hit path in front of every inference request, so the
     fields that do not change between answers are encoded once per published adapter and
     only the lease is added each time."""
@@ -242,7 +247,9 @@ def _stage_json(services: Services, result: StageResult) -> str:
     else:  # a hex id and a timestamp: nothing in them needs escaping
         lease_fields = (f'"lease_id": "{lease.lease_id}", '
                         f'"lease_expires_at": "{iso_utc(lease.expires_at)}"')
-    return f'{cached[1]}, "cached": {"true" if result.cached else "false"}, {lease_fields}}}'
+    # An adapter id or a spare name: neither needs escaping.
+    return (f'{cached[1]}, "lora_name": "{lora_name}", '
+            f'"cached": {"true" if result.cached else "false"}, {lease_fields}}}')
 
 
 # ---- handlers ----------------------------------------------------------------------------
@@ -255,18 +262,21 @@ async def stage(request: web.Request) -> web.Response:
     result = await services.stager.stage(
         adapter_id, timeout_s=_stage_timeout(services, body), lease=body.get("lease", True)
     )
+    lora_name = adapter_id
     if services.catalog is not None:
-        # Checked after staging, so an unknown or invalid adapter says so first, and one not
-        # yet in Triton's catalog is on disk by the time Triton can serve it.
+        # After staging, so an unknown or invalid adapter says so first, and a spare name is
+        # bound only to an adapter validated and published.
         try:
-            services.catalog.check_servable(adapter_id)
+            lora_name = services.catalog.lora_name(adapter_id) or await services.catalog.bind(
+                adapter_id)
         except SidecarError:
             if result.lease is not None:
                 services.store.release(result.lease.lease_id)
                 if services.store.trim():
                     services.purge_trash()
             raise
-    return web.Response(text=_stage_json(services, result), content_type="application/json")
+    return web.Response(text=_stage_json(services, result, lora_name),
+                        content_type="application/json")
 
 
 async def release(request: web.Request) -> web.Response:
@@ -378,6 +388,17 @@ async def catalog(request: web.Request) -> web.Response:
     return web.json_response(services.catalog.status())
 
 
+async def compact(request: web.Request) -> web.Response:
+    _authorize(request)
+    services = _services(request)
+    if request.content_length:
+        await _body(request, "compact")
+    if services.catalog is None:
+        return web.json_response({"error": "catalog_disabled", "message": "this sidecar "
+                                  "renders no catalog"}, status=409)
+    return web.json_response(services.catalog.request_compaction(), status=202)
+
+
 # ---- errors ------------------------------------------------------------------------------
 
 
@@ -447,6 +468,7 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/readyz", readyz),
     ("GET", "/metrics", metrics),
     ("GET", "/catalog", catalog),
+    ("POST", "/catalog/compact", compact),
 )
 
 

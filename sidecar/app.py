@@ -97,7 +97,9 @@ class Sidecar:
             on_trash=self.purge_trash,
             on_source_result=self._note_source_result,
         )
-        self.catalog = Catalog(settings, self.source, self.metrics)
+        self.catalog = Catalog(settings, self.store, self.rules, self.metrics)
+        self.store.before_evict = self.catalog.before_evict
+        self.store.after_forget = self.catalog.after_forget
         self.watcher = Watcher(self.store, self.rules, self.metrics, on_trash=self.purge_trash)
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
@@ -108,6 +110,7 @@ class Sidecar:
 
     async def start(self) -> None:
         await self._recover()
+        await self.catalog.start()  # after recovery: a generation lists what is on disk
         await self.watcher.start()
         self._spawn(self.watcher.run(), "watcher")
         if isinstance(self.source, S3Source):

@@ -15,6 +15,7 @@ import pytest
 import tritonclient.grpc.aio as grpcclient
 
 from sidecar.app import Sidecar
+from sidecar.shapes import TINY_LLAMA
 from tests.conftest import S3Registry, StartSidecar, s3_settings
 from tests.triton.harness import ROUTER, TritonServer, free_port, router_config
 
@@ -66,7 +67,10 @@ async def node_sidecar(
             entry.unlink()
 
     async def start(**overrides: Any) -> Sidecar:
+        base_config = tmp_path / "base-model-config.json"
+        base_config.write_text(json.dumps(TINY_LLAMA.to_config()))
         values: dict[str, Any] = {
+            "base_model_config": base_config,
             "cache_root": triton_node.cache_root,
             "port": triton_node.sidecar_port,
             "triton_url": triton_node.server.http_url,

@@ -53,8 +53,8 @@ async def test_client_gets_a_cold_adapters_text_and_the_second_call_is_a_hit(
     second = await asyncio.to_thread(compose_client.generate, url, "cold-sql-v1", "Count rows",
                                      {"max_tokens": 2})
 
-    assert first == expected_text("cold-sql-v1", files[WEIGHTS], "List tables")
-    assert second == expected_text("cold-sql-v1", files[WEIGHTS], "Count rows", max_tokens=2)
+    assert first == expected_text(files[WEIGHTS], "List tables")
+    assert second == expected_text(files[WEIGHTS], "Count rows", max_tokens=2)
     assert (stage_count(sidecar, "miss"), stage_count(sidecar, "hit")) == (1, 1)
     assert len(s3.proxy.gets(s3.key("cold-sql-v1", WEIGHTS))) == 1
     assert sidecar.store.snapshot().active_leases == 0
@@ -71,7 +71,7 @@ async def test_sixteen_concurrent_calls_over_eight_adapters_with_room_for_three(
     answers = await asyncio.gather(*(ask(grpc, a, prompt) for a, prompt in calls))
 
     for (adapter_id, prompt), answer in zip(calls, answers, strict=True):
-        assert answer == expected_text(adapter_id, weights[adapter_id], prompt)
+        assert answer == expected_text(weights[adapter_id], prompt)
     assert sidecar.store.snapshot().active_leases == 0
     assert len(sidecar.store.adapters()) <= 3
     evicted = sidecar.metrics.registry.get_sample_value(
@@ -133,10 +133,9 @@ async def test_sidecar_down_is_unavailable(triton_node: TritonNode, grpc: Any) -
 async def test_vllm_refusing_a_lora_it_does_not_list_is_unavailable(
     triton_node: TritonNode, s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any
 ) -> None:
-    # Without a Triton URL the sidecar cannot know what vllm_model loaded, so the refusal
-    # comes from vLLM itself ("LoRA ... is not supported").
-    s3.put_adapter("listed-v1", seed=5)
-    sidecar = await node_sidecar(triton_url=None)
+    # Without a Triton URL (and without spare names) the sidecar cannot know what vllm_model
+    # loaded, so the refusal comes from vLLM itself ("LoRA ... is not supported").
+    sidecar = await node_sidecar(triton_url=None, spare_names=0)
     await asyncio.to_thread(triton_node.server.load, VLLM_MODEL)
     s3.put_adapter("late-v1", seed=6)
 
@@ -148,50 +147,59 @@ async def test_vllm_refusing_a_lora_it_does_not_list_is_unavailable(
     assert sidecar.store.snapshot().active_leases == 0
 
 
-async def test_new_adapter_in_s3_reaches_the_catalog_triton_reloads_and_serves_it(
+async def test_without_spare_names_a_new_adapter_is_served_after_one_reload(
     triton_node: TritonNode, s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any,
     http: aiohttp.ClientSession,
 ) -> None:
-    s3.put_adapter("first-v1", seed=7)
-    sidecar = await node_sidecar()
+    first = s3.put_adapter("first-v1", seed=7)
+    sidecar = await node_sidecar(spare_names=0)
     files = s3.put_adapter("fresh-v1", seed=8)
 
     error = await router_error(grpc, "fresh-v1")
     assert status_of(error) == "UNAVAILABLE"
     assert "(catalog_pending)" in error.message()
-    await sidecar.catalog.sync()  # the refusal asked for an early listing; this awaits it
+    assert "spare names are off" in error.message()
+    await sidecar.catalog.sync()  # the refusal planned a compaction; this carries it out
 
     status, catalog = await call(http, "GET", f"{sidecar.url}/catalog")
     assert status == 200
-    assert catalog["adapter_ids"] == ["first-v1", "fresh-v1"]
+    assert catalog["adapter_ids"] == ["fresh-v1"]  # on disk; first-v1 was never staged
     assert catalog["triton"]["loaded_generation"] == catalog["generation"] == 2
     assert catalog["triton"]["pending"] is None
     rendered = json.loads((triton_node.cache_root / "multi_lora.json").read_text())
-    assert rendered["fresh-v1"] == str(triton_node.cache_root.resolve() / "adapters" / "fresh-v1")
+    assert rendered == {"fresh-v1": str(triton_node.cache_root.resolve() / "adapters"
+                                        / "fresh-v1")}
     # Served at all proves Triton reloaded: the old engine's catalog did not list it.
-    assert await ask(grpc, "fresh-v1", "hi") == expected_text("fresh-v1", files[WEIGHTS], "hi")
-    assert await ask(grpc, "first-v1", "hi") != await ask(grpc, "fresh-v1", "hi")
+    assert await ask(grpc, "fresh-v1", "hi") == expected_text(files[WEIGHTS], "hi")
+    error = await router_error(grpc, "first-v1")  # staged now: it waits for the next one
+    assert "(catalog_pending)" in error.message()
+    await sidecar.catalog.sync()
+    assert await ask(grpc, "first-v1", "hi") == expected_text(first[WEIGHTS], "hi")
 
 
 async def test_unload_first_reload_serves_the_new_adapter_after_the_downtime(
     s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any
 ) -> None:
-    s3.put_adapter("before-v1", seed=9)
-    sidecar = await node_sidecar(triton_reload=TritonReload.UNLOAD_FIRST)
+    sidecar = await node_sidecar(triton_reload=TritonReload.UNLOAD_FIRST, spare_names=0)
     files = s3.put_adapter("after-v1", seed=10)
+    await router_error(grpc, "after-v1")
 
     await sidecar.catalog.sync()
 
     assert sidecar.catalog.status()["triton"]["loaded_generation"] == 2
-    assert await ask(grpc, "after-v1", "x") == expected_text("after-v1", files[WEIGHTS], "x")
+    assert await ask(grpc, "after-v1", "x") == expected_text(files[WEIGHTS], "x")
 
 
 async def test_a_failed_reload_leaves_the_old_catalog_serving(
     triton_node: TritonNode, s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any
 ) -> None:
     old = s3.put_adapter("old-v1", seed=12)
-    sidecar = await node_sidecar()
+    sidecar = await node_sidecar(spare_names=0)
+    await router_error(grpc, "old-v1")
+    await sidecar.catalog.sync()
+    assert await ask(grpc, "old-v1", "x") == expected_text(old[WEIGHTS], "x")
     s3.put_adapter("new-v1", seed=13)
+    await router_error(grpc, "new-v1")
     triton_node.fail_flag.touch()
     try:
         await sidecar.catalog.sync()
@@ -199,11 +207,14 @@ async def test_a_failed_reload_leaves_the_old_catalog_serving(
         triton_node.fail_flag.unlink()
 
     triton = sidecar.catalog.status()["triton"]
-    assert triton["loaded_generation"] == 1
+    assert triton["loaded_generation"] == 2
+    assert triton["pending"] == 3
     assert "CUDA out of memory (simulated" in triton["last_reload_error"]
-    assert await ask(grpc, "old-v1", "x") == expected_text("old-v1", old[WEIGHTS], "x")
+    assert await ask(grpc, "old-v1", "x") == expected_text(old[WEIGHTS], "x")
     error = await router_error(grpc, "new-v1")
     assert status_of(error) == "UNAVAILABLE"
+    assert "adapter new-v1 is in catalog generation 3, but Triton serves generation 2" in (
+        error.message())
     assert "the last reload failed" in error.message()
 
 
@@ -246,12 +257,13 @@ async def test_the_standin_keeps_the_stock_vllm_backends_contract(
     http: aiohttp.ClientSession,
 ) -> None:
     weights = s3.put_adapter("contract-v1", seed=14)[WEIGHTS]
-    sidecar = await node_sidecar()
+    sidecar = await node_sidecar(spare_names=0)
     status, _ = await call(http, "POST", f"{sidecar.url}/stage",
                            {"adapter_id": "contract-v1", "lease": False})
-    assert status == 200
+    assert status == 503  # staged; listed by the compaction this planned
+    await sidecar.catalog.sync()
     url, lora = triton_node.server.grpc_url, {"lora_name": "contract-v1", "temperature": 0}
-    expected = expected_text("contract-v1", weights, "Hi", max_tokens=16)
+    expected = expected_text(weights, "Hi", max_tokens=16)
 
     def refusal(sampling: dict[str, Any], **kwargs: bool) -> str:
         with pytest.raises(RuntimeError) as caught:
@@ -282,4 +294,4 @@ async def test_a_restarted_sidecar_takes_over_the_loaded_engine_without_unloadin
 
     assert second.catalog.status()["triton"]["loaded_generation"] == 1
     assert triton_node.server.log_text().count("successfully unloaded 'vllm_model'") == unloads
-    assert await ask(grpc, "steady-v1", "x") == expected_text("steady-v1", files[WEIGHTS], "x")
+    assert await ask(grpc, "steady-v1", "x") == expected_text(files[WEIGHTS], "x")
