@@ -25,17 +25,20 @@ from .config import Settings, TritonReload
 from .engine_state import EngineState, EngineTracker, LoadKind, LoadOutcome, Probe, Transition
 from .errors import CatalogPending, CatalogReloading
 from .generations import (
-    KEPT_DIR,
     NOOP_DIR,
+    RETIRED,
     GenerationRecord,
     Journal,
     NoopAdapter,
+    adapter_target,
     bind_link,
     create_generation,
     generation_dir,
     keep_bound_files,
     kept_bytes,
+    kept_target,
     link_target,
+    noop_target,
     point_link,
     read_journal,
     remove_generation,
@@ -47,6 +50,7 @@ from .generations import (
 )
 from .logs import fields
 from .metrics import Metrics
+from .read_watch import Key, ReadWatch
 from .store import AdapterStore, iso_utc
 from .triton_control import ModelControl, ReloadFailed, TritonControl
 from .validate import Rules, validate_adapter
@@ -123,6 +127,7 @@ class Catalog:
         self._wake = asyncio.Event()
         self._triton_wake = asyncio.Event()  # a transition that calls for a load
         self._journal_dirty = False  # changed on the loop by a hook; saved by the next step
+        self._reads = ReadWatch()
 
     # ---- start ---------------------------------------------------------------------------
 
@@ -133,20 +138,27 @@ class Catalog:
         if self._spares_off is not None:
             log.warning("catalog: spare names are off: %s; every adapter a loaded catalog does "
                         "not list costs a reload of %s", self._spares_off, self._model)
+        if self._noop is not None and not self._reads.available:
+            log.warning("catalog: %s: a direct call to %s with an unbound spare name could make "
+                        "the adapter bound to it later answer like the base model",
+                        self._reads.problem, self._model)
         try:
             await asyncio.to_thread(self._recover)
         except OSError as exc:
             self._error = f"cannot read or tidy {self._root / 'catalog'}: {exc.strerror or exc}"
             log.warning("catalog: %s", self._error)
+        for record in self._journal.generations.values():
+            self._watch_unbound(record)
+        if self._reads.fd is not None:
+            asyncio.get_running_loop().add_reader(self._reads.fd,
+                                                  self._reads.on_readable(self._on_reads))
         if self._journal.current is None:
             await self._render_safely(None)
         else:
             self._update_gauges()
 
     def _prepare_noop(self) -> tuple[NoopAdapter | None, str | None]:
-        wanted = self._settings.spare_names
-        if wanted == 0:
-            return None, "--spare-names is 0"
+        """The no-op adapter (None without the base model's shapes), and why spares are off."""
         shapes = self._rules.shapes
         if shapes is None:
             return None, ("spare names need --base-model-config (the base model's config.json): "
@@ -158,8 +170,7 @@ class Catalog:
         # Checked by the same gate as every adapter, in a folder of its own.
         probe = self._root / "catalog" / f".noop-check.{os.getpid()}"
         try:
-            if probe.exists():
-                shutil.rmtree(probe, ignore_errors=True)
+            shutil.rmtree(probe, ignore_errors=True)
             noop.write(probe)
             problems = validate_adapter(probe, self._rules)
         except OSError as exc:
@@ -169,7 +180,13 @@ class Catalog:
         if problems:
             return None, "the no-op adapter fails validation: " + "; ".join(
                 f"{p.code} {p.message}" for p in problems)
+        if self._settings.spare_names == 0:
+            return noop, "--spare-names is 0"
         return noop, None
+
+    @property
+    def _spares_on(self) -> bool:
+        return self._noop is not None and self._spares_off is None
 
     def _recover(self) -> None:
         """Blocking. Take the journal if multi_lora.json is still its current generation;
@@ -212,38 +229,67 @@ class Catalog:
                      len(journal.generations[journal.current].bound))
 
     def _repair_links(self, record: GenerationRecord) -> None:
-        """Make every spare's link agree with the journal after a crash. A binding journaled
+        """Make every name's link agree with the journal after a crash. A binding journaled
         but never linked, or linked but never journaled, was never handed out: that spare goes
-        back to its no-op, burnt. A bound adapter that left adapters/ without being kept: its
-        name goes to its no-op (never dangling: that would kill the engine), burnt."""
+        back to its no-op, burnt. A name whose adapter left adapters/ unkept goes to a no-op
+        (never dangling: that would kill the engine) and is never handed out again."""
+        adapters = self._store.adapters_dir
+        retired_noop = generation_dir(self._root, record.number) / NOOP_DIR / RETIRED
+        for adapter_id in record.adapter_ids:
+            target = link_target(self._root, record.number, adapter_id)
+            if target == noop_target(RETIRED):
+                record.retire_own(adapter_id)
+            elif not (adapters / adapter_id).is_dir() and retired_noop.is_dir():
+                point_link(self._root, record.number, adapter_id, noop_target(RETIRED))
+                record.retire_own(adapter_id)
         for spare in record.spares:
             target = link_target(self._root, record.number, spare)
-            adapter_id = record.bound.get(spare)
+            bound_id = record.bound.get(spare)
             if spare in record.burnt:
-                if target not in (f"{NOOP_DIR}/{spare}", f"{KEPT_DIR}/{spare}"):
+                if target not in (noop_target(spare), kept_target(spare)):
                     self._burn(record, spare, "it is burnt")
-            elif adapter_id is None:
-                if target != f"{NOOP_DIR}/{spare}":
+            elif bound_id is None:
+                if target != noop_target(spare):
                     self._burn(record, spare, f"its link pointed at {target}")
-            elif target == f"{KEPT_DIR}/{spare}":
+            elif target == kept_target(spare):
                 record.kept.add(spare)
-            elif target != f"../../adapters/{adapter_id}":
+            elif target != adapter_target(bound_id):
                 self._burn(record, spare, "the binding was journaled but never linked")
-            elif not (self._store.adapters_dir / adapter_id).is_dir():
-                if (generation_dir(self._root, record.number) / KEPT_DIR / spare).is_dir():
-                    point_link(self._root, record.number, spare, f"{KEPT_DIR}/{spare}")
+            elif not (adapters / bound_id).is_dir():
+                if (generation_dir(self._root, record.number) / "kept" / spare).is_dir():
+                    point_link(self._root, record.number, spare, kept_target(spare))
                     record.kept.add(spare)
                 else:
-                    self._burn(record, spare, f"{adapter_id} left the disk and was not kept")
+                    self._burn(record, spare, f"{bound_id} left the disk and was not kept")
 
     def _burn(self, record: GenerationRecord, spare: str, why: str) -> None:
-        """Point a spare at its no-op and never hand it out again (blocking: a few calls)."""
-        point_link(self._root, record.number, spare, f"{NOOP_DIR}/{spare}")
+        """Point a spare at its no-op and never hand it out again (a few system calls)."""
+        point_link(self._root, record.number, spare, noop_target(spare))
+        self._reads.unwatch((record.number, spare))
         record.retire_name(spare)
         self._journal_dirty = True
         self._wake.set()
         log.warning("catalog: spare name %s of generation %d is never handed out again (%s)",
                     spare, record.number, why)
+
+    def _watch_unbound(self, record: GenerationRecord) -> None:
+        for spare in record.free_spares():
+            folder = generation_dir(self._root, record.number) / NOOP_DIR / spare
+            self._reads.watch((record.number, spare), folder)
+
+    def _on_reads(self, read: set[Key]) -> None:
+        """Spares whose no-op someone opened: the engine may cache it under that name."""
+        for number, spare in sorted(read):
+            record = self._journal.generations.get(number)
+            if record is None or spare in record.burnt:
+                continue
+            if spare in record.bound:
+                why = f"its no-op was read while it was being bound to {record.bound[spare]}"
+            else:
+                why = "its no-op adapter was read before it was bound (a direct call to " \
+                      f"{self._model}?)"
+            self._burn(record, spare, why)
+        self._update_gauges()
 
     # ---- names for /stage ----------------------------------------------------------------
 
@@ -252,7 +298,7 @@ class Catalog:
         bound first (`bind()`). Raises CatalogPending/CatalogReloading when no engine serves.
         The hit path: a few lookups."""
         record = self._naming_generation()
-        if adapter_id in record.adapter_ids:
+        if adapter_id in record.own:
             return adapter_id
         return record.by_adapter.get(adapter_id)
 
@@ -261,43 +307,29 @@ class Catalog:
         written before the link, the link before the name is handed out. CatalogPending when
         no spare is left (a compaction is planned)."""
         async with self._journal_lock:
-            record = self._naming_generation()  # again: it may have changed while waiting
-            if adapter_id in record.adapter_ids:
-                return adapter_id
-            name = record.by_adapter.get(adapter_id)
-            if name is not None:
-                return name
-            free = record.free_spares()
-            adapter = self._store.get(adapter_id)
-            if not free or adapter is None:
-                if adapter is None:
+            while True:
+                record = self._naming_generation()  # again: it may have changed meanwhile
+                if adapter_id in record.own:
+                    return adapter_id
+                name = record.by_adapter.get(adapter_id)
+                if name is not None:
+                    return name
+                if self._store.get(adapter_id) is None:
                     raise CatalogPending(f"adapter {adapter_id} left the disk before a spare "
                                          "name was bound to it; stage it again",
                                          adapter_id=adapter_id)
-                current = self._current()
-                if current is None or adapter_id not in current.adapter_ids:
-                    self._plan_compaction(CompactionReason.EXHAUSTED)
-                if not self._reloads:
-                    return adapter_id  # the sidecar cannot know what Triton loaded
-                raise CatalogPending(self._no_spare_message(adapter_id, record),
-                                     adapter_id=adapter_id)
-            spare = random.choice(free)  # not guessable ahead of time by a direct caller
-            record.bind(spare, adapter_id)
-            try:
-                await asyncio.to_thread(write_journal, self._root, self._journal)
-                await asyncio.to_thread(bind_link, self._root, record.number, spare, adapter_id)
-            except OSError as exc:
-                record.unbind_failed(spare)
-                raise CatalogPending(f"could not bind a spare name to adapter {adapter_id}: "
-                                     f"{exc.strerror or exc}", adapter_id=adapter_id) from exc
-            if self._store.get(adapter_id) is None:
-                # Evicted by force while the link was being made: never hand out a name that
-                # could dangle.
-                await asyncio.to_thread(self._burn, record, spare, f"{adapter_id} was evicted "
-                                        "while it was being bound")
-                raise CatalogPending(f"adapter {adapter_id} left the disk while a spare name "
-                                     "was bound to it; stage it again", adapter_id=adapter_id)
-            record.publish(spare)
+                self._on_reads(self._reads.drain())
+                if not record.free_spares():
+                    current = self._current()
+                    if current is None or adapter_id not in current.own:
+                        self._plan_compaction(CompactionReason.EXHAUSTED)
+                    if not self._reloads:
+                        return adapter_id  # the sidecar cannot know what Triton loaded
+                    raise CatalogPending(self._no_spare_message(adapter_id, record),
+                                         adapter_id=adapter_id)
+                spare = await self._bind_one(record, adapter_id)
+                if spare is not None:
+                    break
         self._metrics.catalog_bindings.inc()
         left = len(record.free_spares())
         self._update_gauges()
@@ -306,6 +338,31 @@ class Catalog:
                  extra=fields(event="bound", adapter_id=adapter_id, lora_name=spare,
                               generation=record.number, spares_left=left))
         self._check_spares(record)
+        return spare
+
+    async def _bind_one(self, record: GenerationRecord, adapter_id: str) -> str | None:
+        """One attempt: the spare bound, or None when its no-op turned out read meanwhile."""
+        spare = random.choice(record.free_spares())  # not guessable ahead of time by a direct caller
+        record.bind(spare, adapter_id)
+        try:
+            await asyncio.to_thread(write_journal, self._root, self._journal)
+            await asyncio.to_thread(bind_link, self._root, record.number, spare, adapter_id)
+        except OSError as exc:
+            record.unbind_failed(spare)
+            raise CatalogPending(f"could not bind a spare name to adapter {adapter_id}: "
+                                 f"{exc.strerror or exc}", adapter_id=adapter_id) from exc
+        # Every open of the no-op queued before the link moved is in the queue now.
+        self._on_reads(self._reads.drain())
+        if spare in record.burnt:
+            return None
+        self._reads.unwatch((record.number, spare))
+        if self._store.get(adapter_id) is None:
+            # Evicted by force while the link was being made: never hand out a name that
+            # could dangle.
+            self._burn(record, spare, f"{adapter_id} was evicted while it was being bound")
+            raise CatalogPending(f"adapter {adapter_id} left the disk while a spare name was "
+                                 "bound to it; stage it again", adapter_id=adapter_id)
+        record.publish(spare)
         return spare
 
     def _naming_generation(self) -> GenerationRecord:
@@ -345,10 +402,10 @@ class Catalog:
 
     def _no_spare_message(self, adapter_id: str, record: GenerationRecord) -> str:
         current = self._current()
-        if current is not None and current is not record and adapter_id in current.adapter_ids:
+        if current is not None and current is not record and adapter_id in current.own:
             return (f"adapter {adapter_id} is in catalog generation {current.number}, but "
                     f"Triton serves generation {record.number}; {self._reload_wait()}")
-        spares = ("no spare name is left" if self._noop is not None
+        spares = ("no spare name is left" if self._spares_on
                   else f"spare names are off ({self._spares_off})")
         return (f"adapter {adapter_id} is on disk, but the catalog Triton serves (generation "
                 f"{record.number}) does not list it and {spares}; a new generation listing it "
@@ -374,33 +431,53 @@ class Catalog:
     # ---- eviction hooks (called by the store, on the loop) ---------------------------------
 
     def before_evict(self, adapter_id: str, folder: Path) -> None:
-        """A bound adapter's folder is about to leave adapters/: its spare names keep hard
-        links to its files until their generation retires, so no spare ever dangles."""
+        """An adapter's folder is about to leave adapters/. Where a generation lists it by its
+        own name, that name points at a no-op from now on and is never handed out again (a
+        re-stage binds a spare); where a spare is bound to it, the spare keeps hard links to
+        its files until the generation retires. No catalogued name ever dangles."""
         for record in list(self._journal.generations.values()):
+            if adapter_id in record.own:
+                self._retire_own(record, adapter_id, "it left the disk")
             spare = record.by_adapter.get(adapter_id)
             if spare is None or spare in record.kept:
                 continue
             try:
                 keep_bound_files(self._root, record.number, spare, folder)
             except OSError as exc:
-                log.warning("catalog: could not keep the files of %s for spare name %s: %s; "
-                            "the name points at its no-op from now on and is never handed "
-                            "out again", adapter_id, spare, exc.strerror or exc)
-                self._burn(record, spare, f"{adapter_id} could not be kept")
+                self._burn(record, spare, f"{adapter_id}'s files could not be kept: "
+                           f"{exc.strerror or exc}")
                 continue
             record.kept.add(spare)
             log.info("catalog: spare name %s keeps the files of evicted adapter %s until "
                      "generation %d retires", spare, adapter_id, record.number)
 
     def after_forget(self, adapter_id: str) -> None:
-        """A bound adapter's folder vanished or changed outside the sidecar: a spare still
-        linked to adapters/<id> points at its no-op from now on and is never handed out again
-        (a re-stage binds a fresh one)."""
+        """An adapter's folder vanished or changed outside the sidecar: its names that still
+        lead to adapters/<id> point at a no-op and are never handed out again."""
         for record in list(self._journal.generations.values()):
+            if adapter_id in record.own:
+                self._retire_own(record, adapter_id, "it was removed or changed outside the "
+                                 "sidecar")
             spare = record.by_adapter.get(adapter_id)
-            if spare is None or spare in record.kept:
-                continue
-            self._burn(record, spare, f"{adapter_id} was removed or changed outside the sidecar")
+            if spare is not None and spare not in record.kept:
+                self._burn(record, spare, f"{adapter_id} was removed or changed outside the "
+                           "sidecar")
+
+    def _retire_own(self, record: GenerationRecord, adapter_id: str, why: str) -> None:
+        if not (generation_dir(self._root, record.number) / NOOP_DIR / RETIRED).is_dir():
+            return  # no no-op without --base-model-config: the name dangles, as it always did
+        try:
+            point_link(self._root, record.number, adapter_id, noop_target(RETIRED))
+        except OSError as exc:
+            log.warning("catalog: cannot point %s of generation %d at a no-op: %s", adapter_id,
+                        record.number, exc.strerror or exc)
+            return
+        record.retire_own(adapter_id)
+        self._journal_dirty = True
+        self._wake.set()
+        log.info("catalog: the name %s of generation %d answers like the base model from now "
+                 "on (%s); the adapter's next stage binds a spare name", adapter_id,
+                 record.number, why)
 
     # ---- compaction ---------------------------------------------------------------------
 
@@ -430,7 +507,7 @@ class Catalog:
 
     def _check_spares(self, record: GenerationRecord) -> None:
         low = self._settings.compact_below_spares
-        if self._noop is None or len(record.free_spares()) > low:
+        if not self._spares_on or len(record.free_spares()) > low:
             return
         window = self._settings.compaction_window
         not_before = None
@@ -457,7 +534,7 @@ class Catalog:
         if current is None:
             return True
         on_disk = {a.adapter_id for a in self._store.adapters()}
-        return bool(current.bound) or on_disk != set(current.adapter_ids)
+        return bool(current.bound) or on_disk != current.own
 
     def _compaction_in_s(self) -> float | None:
         """Seconds until the planned compaction may start; None when none is planned or a
@@ -615,7 +692,7 @@ class Catalog:
         disk: a name a direct caller could kill a fresh engine with."""
         current = self._current()
         return current is not None and any(
-            self._store.get(adapter_id) is None for adapter_id in current.adapter_ids)
+            self._store.get(adapter_id) is None for adapter_id in current.own)
 
     async def _load(self, kind: LoadKind) -> LoadOutcome:
         assert self._control is not None
@@ -676,13 +753,10 @@ class Catalog:
         number = await asyncio.to_thread(self._journal.next_number, self._root)
         adapter_ids = frozenset(a.adapter_id for a in self._store.adapters())
         spares = tuple(spare_name(number, i) for i in range(1, self._settings.spare_names + 1)
-                       ) if self._noop is not None else ()
+                       ) if self._spares_on else ()
         record = GenerationRecord(number, adapter_ids, spares, self._wall())
-        if self._noop is not None:
-            await asyncio.to_thread(create_generation, self._root, record, self._noop)
-        else:
-            await asyncio.to_thread(generation_dir(self._root, number).mkdir, parents=True,
-                                    exist_ok=True)
+        await asyncio.to_thread(create_generation, self._root, record, self._noop)
+        self._watch_unbound(record)
         async with self._journal_lock:
             self._journal.generations[number] = record
             self._journal.current = number
@@ -729,6 +803,8 @@ class Catalog:
             return
         async with self._journal_lock:
             for number in gone:
+                for spare in journal.generations[number].spares:
+                    self._reads.unwatch((number, spare))
                 del journal.generations[number]
             await self._save_journal()
         for number in [*gone, *orphans]:
@@ -796,8 +872,10 @@ class Catalog:
             "adapter_ids": ids,
             "adapter_count": len(ids),
             "error": self._error,
+            "retired": sorted(naming.retired) if naming else [],
             "spares": {
-                "enabled": self._noop is not None,
+                "enabled": self._spares_on,
+                "reads_watched": self._reads.available,
                 "off_because": self._spares_off,
                 "generation": naming.number if naming else None,
                 "total": len(naming.spares) if naming else 0,
@@ -840,6 +918,9 @@ class Catalog:
         return body
 
     async def close(self) -> None:
+        if self._reads.fd is not None:
+            asyncio.get_running_loop().remove_reader(self._reads.fd)
+        self._reads.close()
         if self._control is not None:
             await self._control.close()
 

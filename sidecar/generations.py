@@ -1,14 +1,19 @@
-"""Catalog generations on disk: the folder of each generation's spare names, the no-op adapter an
-unbound spare points at, the links that bind spares to adapters, and the journal that lets a
-restarted sidecar carry on with the generation Triton serves. Blocking functions: run them in
-a thread, except where a docstring says a call is a few system calls and fits the loop.
+"""Catalog generations on disk: every name a generation lists is a link in its folder, so the
+sidecar decides what each name reads and none ever dangles; the no-op adapters unbound spares
+point at; and the journal that lets a restarted sidecar carry on with the generation Triton
+serves. Blocking functions: run them in a thread, except where a docstring says a call is a few
+system calls and fits the loop.
 
-    <cache_root>/catalog/journal.json          generations, bindings (fsynced at every change)
-    <cache_root>/catalog/g<N>/<spare>          a relative link: noop/<spare> until bound, then
-                                               ../../adapters/<id>, or kept/<spare> once the
-                                               adapter left adapters/
-    <cache_root>/catalog/g<N>/noop/<spare>/    a valid adapter that changes nothing (zero B)
-    <cache_root>/catalog/g<N>/kept/<spare>/    hard links to an evicted bound adapter's files
+    <cache_root>/catalog/journal.json            generations, bindings (fsynced at every change)
+    <cache_root>/catalog/g<N>/names/<name>       a relative link, for an adapter id:
+                                                   ../../../adapters/<id>  while it is on disk
+                                                   ../noop/_retired        once it left the disk
+                                                 and for a spare name:
+                                                   ../noop/<spare>         until bound
+                                                   ../../../adapters/<id>  once bound
+                                                   ../kept/<spare>         once that left the disk
+    <cache_root>/catalog/g<N>/noop/<name>/       a valid adapter that changes nothing (zero B)
+    <cache_root>/catalog/g<N>/kept/<spare>/      hard links to an evicted bound adapter's files
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ CATALOG_DIR = "catalog"
 JOURNAL_FILE = "journal.json"
 JOURNAL_FORMAT = 1
 SPARE_PREFIX = "_spare-g"  # '_' cannot start an adapter id, so a spare never shadows one
+NAMES_DIR = "names"
 NOOP_DIR = "noop"
 KEPT_DIR = "kept"
+RETIRED = "_retired"  # the no-op of adapter ids retired from a generation ('_' starts no id)
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 JOURNAL_MAX_BYTES = 64 * 1024**2
@@ -49,6 +56,23 @@ def spare_name(generation: int, index: int) -> str:
 
 def generation_dir(root: Path, number: int) -> Path:
     return root / CATALOG_DIR / f"g{number}"
+
+
+def names_dir(root: Path, number: int) -> Path:
+    return generation_dir(root, number) / NAMES_DIR
+
+
+def adapter_target(adapter_id: str) -> str:
+    """A name's link target for a published adapter, relative to names/."""
+    return f"../../../adapters/{adapter_id}"
+
+
+def noop_target(name: str) -> str:
+    return f"../{NOOP_DIR}/{name}"
+
+
+def kept_target(spare: str) -> str:
+    return f"../{KEPT_DIR}/{spare}"
 
 
 # ---- the no-op adapter --------------------------------------------------------------------
@@ -116,14 +140,23 @@ class GenerationRecord:
     bound: dict[str, str] = field(default_factory=dict)  # spare -> adapter id
     burnt: set[str] = field(default_factory=set)
     retire_at: float | None = None  # unix; the folder is deleted after it
+    retired: set[str] = field(default_factory=set)  # adapter ids whose own name is a no-op now
     kept: set[str] = field(default_factory=set)  # bound spares linked into kept/ (from disk)
     by_adapter: dict[str, str] = field(default_factory=dict)  # adapter id -> live spare
+    own: set[str] = field(default_factory=set)  # adapter ids served by their own name
 
     def __post_init__(self) -> None:
         self._index()
 
     def _index(self) -> None:
         self.by_adapter = {a: s for s, a in self.bound.items() if s not in self.burnt}
+        self.own = set(self.adapter_ids) - self.retired
+
+    def retire_own(self, adapter_id: str) -> None:
+        """The adapter left the disk: its own name points at a no-op and is never handed out
+        again in this generation (a re-stage binds a spare)."""
+        self.retired.add(adapter_id)
+        self.own.discard(adapter_id)
 
     def bind(self, spare: str, adapter_id: str) -> None:
         """Record a binding (journaled next); `publish` hands it out once the link is in
@@ -153,7 +186,8 @@ class GenerationRecord:
         return {
             "adapter_ids": sorted(self.adapter_ids), "spares": list(self.spares),
             "rendered_at": self.rendered_at, "bound": dict(sorted(self.bound.items())),
-            "burnt": sorted(self.burnt), "retire_at": self.retire_at,
+            "burnt": sorted(self.burnt), "retired": sorted(self.retired),
+            "retire_at": self.retire_at,
         }
 
     @classmethod
@@ -169,9 +203,12 @@ class GenerationRecord:
         if not set(bound) <= set(spares) or not set(burnt) <= set(spares):
             raise ValueError(f"generation {number}: a binding of an unknown spare")
         retire_at = data.get("retire_at")
+        retired = data.get("retired", [])
+        if not isinstance(retired, list) or not set(retired) <= set(ids):
+            raise ValueError(f"generation {number}: a retired name it does not list")
         return cls(number, frozenset(map(str, ids)), tuple(spares), float(data["rendered_at"]),
                    {str(k): str(v) for k, v in bound.items()}, set(map(str, burnt)),
-                   float(retire_at) if retire_at is not None else None)
+                   float(retire_at) if retire_at is not None else None, set(map(str, retired)))
 
 
 @dataclass(slots=True)
@@ -251,18 +288,25 @@ def write_atomically(path: Path, data: bytes) -> None:
 # ---- generation folders -------------------------------------------------------------------
 
 
-def create_generation(root: Path, record: GenerationRecord, noop: NoopAdapter) -> None:
-    """The generation's folder, every spare linked to its own no-op adapter (its own copy, so
-    a read of one spare can be told from a read of another). Built aside and renamed in."""
+def create_generation(root: Path, record: GenerationRecord, noop: NoopAdapter | None) -> None:
+    """The generation's folder: a link per adapter id to its published folder, and per spare
+    a link to its own no-op adapter (its own copy, so a read of one spare can be told from a
+    read of another). Built aside and renamed in, so a crash leaves all of it or nothing."""
     final = generation_dir(root, record.number)
     building = final.with_name(f".{final.name}.{secrets.token_hex(4)}")
-    building.mkdir(parents=True)
+    names = building / NAMES_DIR
+    names.mkdir(parents=True)
     try:
-        for spare in record.spares:
-            noop.write(building / NOOP_DIR / spare)
-            os.symlink(f"{NOOP_DIR}/{spare}", building / spare)
-        if record.spares:
+        if noop is not None:
+            noop.write(building / NOOP_DIR / RETIRED)
+            for spare in record.spares:
+                noop.write(building / NOOP_DIR / spare)
             fsync_dir(building / NOOP_DIR)
+        for adapter_id in record.adapter_ids:
+            os.symlink(adapter_target(adapter_id), names / adapter_id)
+        for spare in record.spares:
+            os.symlink(noop_target(spare), names / spare)
+        fsync_dir(names)
         fsync_dir(building)
         if final.exists():  # left by a crash before the journal named it
             shutil.rmtree(final)
@@ -276,16 +320,14 @@ def create_generation(root: Path, record: GenerationRecord, noop: NoopAdapter) -
 def bind_link(root: Path, number: int, spare: str, adapter_id: str) -> None:
     """Point a spare at a published adapter: one atomic rename of a fresh link over the one to
     the no-op. A few system calls; the caller has checked the spare was never bound."""
-    folder = generation_dir(root, number)
-    _replace_link(folder, spare, f"../../adapters/{adapter_id}")
+    point_link(root, number, spare, adapter_target(adapter_id))
 
 
 def keep_bound_files(root: Path, number: int, spare: str, adapter_folder: Path) -> None:
     """Before a bound adapter's folder leaves adapters/, give the spare its own hard links to
     the same files and point the spare at them: the engine never finds the name dangling, and
     both targets hold the same bytes, so a read that straddles the switch is still whole."""
-    folder = generation_dir(root, number)
-    kept = folder / KEPT_DIR / spare
+    kept = generation_dir(root, number) / KEPT_DIR / spare
     building = kept.with_name(f".{spare}.{secrets.token_hex(4)}")
     building.mkdir(parents=True)
     try:
@@ -297,12 +339,12 @@ def keep_bound_files(root: Path, number: int, spare: str, adapter_folder: Path) 
     except BaseException:
         shutil.rmtree(building, ignore_errors=True)
         raise
-    _replace_link(folder, spare, f"{KEPT_DIR}/{spare}")
+    point_link(root, number, spare, kept_target(spare))
 
 
-def point_link(root: Path, number: int, spare: str, target: str) -> None:
-    """Point a spare's link at `target` (relative to its generation's folder), atomically."""
-    _replace_link(generation_dir(root, number), spare, target)
+def point_link(root: Path, number: int, name: str, target: str) -> None:
+    """Point a name's link at `target` (relative to names/), atomically."""
+    _replace_link(names_dir(root, number), name, target)
 
 
 def _replace_link(folder: Path, name: str, target: str) -> None:
@@ -316,9 +358,9 @@ def _replace_link(folder: Path, name: str, target: str) -> None:
     fsync_dir(folder)
 
 
-def link_target(root: Path, number: int, spare: str) -> str | None:
+def link_target(root: Path, number: int, name: str) -> str | None:
     try:
-        return os.readlink(generation_dir(root, number) / spare)
+        return os.readlink(names_dir(root, number) / name)
     except OSError:
         return None
 
@@ -364,11 +406,8 @@ def kept_bytes(root: Path, record: GenerationRecord) -> int:
 
 def catalog_entries(record: GenerationRecord, triton_root: Path) -> dict[str, str]:
     """multi_lora.json's mapping for a generation, with Triton's absolute paths."""
-    entries = {adapter_id: str(triton_root / "adapters" / adapter_id)
-               for adapter_id in sorted(record.adapter_ids)}
-    folder = triton_root / CATALOG_DIR / f"g{record.number}"
-    entries.update({spare: str(folder / spare) for spare in record.spares})
-    return entries
+    folder = triton_root / CATALOG_DIR / f"g{record.number}" / NAMES_DIR
+    return {name: str(folder / name) for name in [*sorted(record.adapter_ids), *record.spares]}
 
 
 def render_text(record: GenerationRecord, triton_root: Path) -> str:

@@ -192,13 +192,14 @@ async def test_a_generation_lists_the_adapters_on_disk_and_spare_names_at_no_op_
     rendered = world.rendered()
     spares = sorted(name for name in rendered if name.startswith("_spare-"))
     assert sorted(set(rendered) - set(spares)) == ["sql-v1", "support-v2"]
-    assert rendered["sql-v1"] == "/lora-cache/adapters/sql-v1"
+    assert rendered["sql-v1"] == "/lora-cache/catalog/g2/names/sql-v1"
+    assert os.readlink(world.local(rendered["sql-v1"])) == "../../../adapters/sql-v1"
     assert spares == [f"_spare-g2-00{n}" for n in range(1, 5)]
     rules = Rules(shapes=TINY_LLAMA)
     for spare in spares:
-        assert rendered[spare] == f"/lora-cache/catalog/g2/{spare}"
+        assert rendered[spare] == f"/lora-cache/catalog/g2/names/{spare}"
         folder = world.local(rendered[spare])
-        assert os.readlink(folder) == f"noop/{spare}"  # relative: resolves in Triton's mount
+        assert os.readlink(folder) == f"../noop/{spare}"  # relative: resolves in Triton's mount
         assert validate_adapter(folder.resolve(), rules) == []
     assert world.metric("lora_sidecar_catalog_adapters") == 2
     assert world.metric("lora_sidecar_catalog_generation") == 2
@@ -242,7 +243,7 @@ async def test_a_new_adapter_is_bound_to_a_spare_without_any_triton_call(world: 
     assert name.startswith("_spare-g1-")
     assert world.control.calls == calls
     link = world.local(world.rendered()[name])
-    assert os.readlink(link) == "../../adapters/fresh-v1"
+    assert os.readlink(link) == "../../../adapters/fresh-v1"
     assert (link / WEIGHTS).read_bytes() == weights
     assert read_journal(world.tmp_path / "cache").generations[1].bound == {name: "fresh-v1"}
     status = catalog.status()
@@ -263,7 +264,7 @@ async def test_a_name_is_bound_once_and_each_adapter_gets_its_own(world: World) 
 
     assert first == again
     assert other != first
-    assert os.readlink(world.local(world.rendered()[other])) == "../../adapters/a2"
+    assert os.readlink(world.local(world.rendered()[other])) == "../../../adapters/a2"
 
 
 async def test_concurrent_first_stages_of_one_adapter_share_one_binding(world: World) -> None:
@@ -304,7 +305,7 @@ async def test_an_evicted_bound_adapter_keeps_its_bytes_under_its_spare_name(
 
     assert not (world.tmp_path / "cache" / "adapters" / "a1").exists()
     link = world.local(world.rendered()[name])
-    assert os.readlink(link) == f"kept/{name}"
+    assert os.readlink(link) == f"../kept/{name}"
     assert (link / WEIGHTS).read_bytes() == weights
     assert await world.stage("a1") == name  # re-staged: the same name, the same bytes
     # The published folder owns its bytes again once the trash is emptied: never a hard link
@@ -322,7 +323,7 @@ async def test_a_bound_adapter_removed_behind_the_sidecars_back_never_leaves_a_d
     shutil.rmtree(world.tmp_path / "cache" / "adapters" / "a1")
     world.store.forget("a1")  # type: ignore[union-attr]  # what the watcher does
 
-    assert os.readlink(world.local(world.rendered()[name])) == f"noop/{name}"
+    assert os.readlink(world.local(world.rendered()[name])) == f"../noop/{name}"
     assert name in catalog.status()["spares"]["burnt"]
     assert await world.stage("a1") not in (name, "a1")  # a fresh spare
 
@@ -341,9 +342,9 @@ async def test_crashes_between_journal_and_link_never_hand_out_a_half_bound_name
     journal = json.loads(journal_path.read_text())
     journal["generations"]["1"]["bound"][journaled_only] = "a1"
     journal_path.write_text(json.dumps(journal))
-    folder = world.tmp_path / "cache" / "catalog" / "g1"
+    folder = world.tmp_path / "cache" / "catalog" / "g1" / "names"
     (folder / linked_only).unlink()
-    (folder / linked_only).symlink_to("../../adapters/a1")
+    (folder / linked_only).symlink_to("../../../adapters/a1")
 
     restarted = await world.start()
     await restarted.sync()
@@ -351,7 +352,7 @@ async def test_crashes_between_journal_and_link_never_hand_out_a_half_bound_name
     burnt = restarted.status()["spares"]["burnt"]
     assert sorted(burnt) == sorted([journaled_only, linked_only])
     for spare in burnt:
-        assert os.readlink(folder / spare) == f"noop/{spare}"
+        assert os.readlink(folder / spare) == f"../noop/{spare}"
     assert await world.stage("a1") not in (journaled_only, linked_only)
 
 
@@ -448,7 +449,7 @@ async def test_with_spare_names_zero_each_new_adapter_costs_a_reload(world: Worl
 
     assert await world.stage("a1") == "a1"
     assert world.control.loads() == 2
-    assert world.rendered() == {"a1": "/lora-cache/adapters/a1"}
+    assert world.rendered() == {"a1": "/lora-cache/catalog/g2/names/a1"}
 
 
 async def test_low_spares_wait_for_the_quiet_window_but_an_empty_catalog_does_not(
@@ -557,7 +558,7 @@ async def test_triton_saying_the_model_is_gone_reloads_at_once(world: World) -> 
     assert catalog.status()["triton"]["state"] == "serving"
 
 
-async def test_a_lost_engine_whose_catalog_names_a_gone_adapter_comes_back_compacted(
+async def test_an_evicted_adapter_s_own_name_answers_like_the_base_model_and_is_retired(
     world: World,
 ) -> None:
     world.add_adapter("a1")
@@ -566,8 +567,29 @@ async def test_a_lost_engine_whose_catalog_names_a_gone_adapter_comes_back_compa
     await world.stage("a1")
     catalog.request_compaction()
     await catalog.sync()
+    assert await world.stage("a1") == "a1"
+    link = world.local(world.rendered()["a1"])
+
+    await world.stage("a2")  # evicts a1, listed by its own name
+
+    assert os.readlink(link) == "../noop/_retired"
+    assert validate_adapter(link.resolve(), Rules(shapes=TINY_LLAMA)) == []
+    assert catalog.status()["retired"] == ["a1"]
+    # The own name may hold the no-op in the engine now: the adapter comes back under a spare.
+    assert (await world.stage("a1")).startswith("_spare-g2-")
+
+
+async def test_a_lost_engine_whose_catalog_names_a_gone_adapter_comes_back_compacted(
+    world: World,
+) -> None:
+    world.add_adapter("a1")
+    catalog = await serving(world, base_model_config=None)  # no no-op to retire names with
+    with pytest.raises(CatalogPending):
+        await world.stage("a1")
+    await catalog.sync()
     assert "a1" in world.rendered()
-    await world.stage("a2")  # evicts a1, still listed by its own name
+    shutil.rmtree(world.tmp_path / "cache" / "adapters" / "a1")
+    world.store.forget("a1")  # type: ignore[union-attr]
     world.control.ready = False  # a direct call with a1 killed the engine
 
     await catalog.sync()
@@ -690,3 +712,22 @@ async def test_the_sidecar_is_ready_once_a_generation_is_rendered(world: World) 
     assert catalog.problem() is None
     assert catalog.status()["generation"] == 1
     assert EngineState.STARTING.value == catalog.status()["triton"]["state"]
+
+
+async def test_a_spare_someone_read_before_it_was_bound_is_never_bound(world: World) -> None:
+    world.add_adapter("a1")
+    world.add_adapter("a2")
+    catalog = await serving(world)
+    spares = sorted(n for n in world.rendered() if n.startswith("_spare-"))
+    # What a direct call to vllm_model with these names makes the engine do: read the no-op
+    # (from another process, through the catalog's link), and cache it under the name.
+    for spare in spares[:3]:
+        reader = await asyncio.create_subprocess_exec(
+            "cat", str(world.local(world.rendered()[spare]) / "adapter_config.json"),
+            stdout=asyncio.subprocess.DEVNULL)
+        assert await reader.wait() == 0
+
+    assert await world.stage("a1") == spares[3]
+    assert sorted(catalog.status()["spares"]["burnt"]) == spares[:3]
+    with pytest.raises(CatalogPending, match="no spare name is left"):
+        await world.stage("a2")

@@ -167,8 +167,8 @@ async def test_without_spare_names_a_new_adapter_is_served_after_one_reload(
     assert catalog["triton"]["loaded_generation"] == catalog["generation"] == 2
     assert catalog["triton"]["pending"] is None
     rendered = json.loads((triton_node.cache_root / "multi_lora.json").read_text())
-    assert rendered == {"fresh-v1": str(triton_node.cache_root.resolve() / "adapters"
-                                        / "fresh-v1")}
+    assert rendered == {"fresh-v1": str(triton_node.cache_root.resolve() / "catalog" / "g2"
+                                        / "names" / "fresh-v1")}
     # Served at all proves Triton reloaded: the old engine's catalog did not list it.
     assert await ask(grpc, "fresh-v1", "hi") == expected_text(files[WEIGHTS], "hi")
     error = await router_error(grpc, "first-v1")  # staged now: it waits for the next one
