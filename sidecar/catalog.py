@@ -107,7 +107,8 @@ class Catalog:
         self._model = settings.triton_model
         self._control: ModelControl | None = None
         if settings.triton_url is not None:
-            self._control = control or TritonControl(settings.triton_url)
+            self._control = control or TritonControl(
+                settings.triton_url, probe_timeout_s=settings.triton_probe_timeout_s)
         self._reloads = (
             self._control is not None and settings.triton_reload is not TritonReload.NEVER
         )
@@ -252,7 +253,10 @@ class Catalog:
                 if target != noop_target(spare):
                     self._burn(record, spare, f"its link pointed at {target}")
             elif target == kept_target(spare):
-                record.kept.add(spare)
+                if (generation_dir(self._root, record.number) / "kept" / spare).is_dir():
+                    record.kept.add(spare)
+                else:
+                    self._burn(record, spare, "its kept files are gone")
             elif target != adapter_target(bound_id):
                 self._burn(record, spare, "the binding was journaled but never linked")
             elif not (adapters / bound_id).is_dir():
@@ -321,7 +325,9 @@ class Catalog:
                 self._on_reads(self._reads.drain())
                 if not record.free_spares():
                     current = self._current()
-                    if current is None or adapter_id not in current.own:
+                    # A generation being loaded has fresh spares: no second one is needed.
+                    if (self._tracker.state is not EngineState.LOADING
+                            and (current is None or adapter_id not in current.own)):
                         self._plan_compaction(CompactionReason.EXHAUSTED)
                     if not self._reloads:
                         return adapter_id  # the sidecar cannot know what Triton loaded
@@ -342,7 +348,8 @@ class Catalog:
 
     async def _bind_one(self, record: GenerationRecord, adapter_id: str) -> str | None:
         """One attempt: the spare bound, or None when its no-op turned out read meanwhile."""
-        spare = random.choice(record.free_spares())  # not guessable ahead of time by a direct caller
+        # Random: which spare is bound next cannot be guessed by a direct caller.
+        spare = random.choice(record.free_spares())
         record.bind(spare, adapter_id)
         try:
             await asyncio.to_thread(write_journal, self._root, self._journal)
@@ -608,7 +615,10 @@ class Catalog:
         catalog's lock) and feed the answer to the state machine."""
         if not self._reloads or self._control is None:
             return
+        loads = self._tracker.loads_started
         probe, detail = await self._control.probe(self._model)
+        if loads != self._tracker.loads_started or self._tracker.state is EngineState.LOADING:
+            return  # asked about an engine a load has replaced since: the answer is stale
         transition = self._tracker.on_probe(probe, detail)
         if probe is not Probe.READY and transition is not None:
             log.debug("catalog: probe %s (%s): %s", probe.value, detail, transition.value)
@@ -662,6 +672,12 @@ class Catalog:
         if state is EngineState.ABSENT:
             if self._last_load_too_recent():
                 return
+            current = self._current()
+            if current is not None:
+                # The engine died or Triton restarted: a name whose link was tampered with
+                # behind the sidecar's back must not kill the fresh engine too.
+                async with self._journal_lock:
+                    self._repair_links(current)
             if self._plan is not None or self._names_gone_path():
                 reason = self._plan.reason if self._plan else CompactionReason.ENGINE_LOST
                 self._plan = None
@@ -724,6 +740,10 @@ class Catalog:
             self._last_reload_at = self._wall()
             self._journal.loaded = number
             await self._save_journal()
+            if self._plan is not None and self._plan.reason in (CompactionReason.EXHAUSTED,
+                                                                CompactionReason.SPARES_LOW):
+                self._plan = None  # the generation now serving has fresh spares
+                self._check_spares(record)
             self._metrics.triton_reloads.labels(outcome="ok").inc()
             log.info("catalog: %s serves generation %d (%s took %.1fs)", self._model, number,
                      kind.value, time.monotonic() - started)

@@ -373,6 +373,10 @@ OPTIONS: tuple[Option, ...] = (
            "never | on-change (new engine loads beside the old, no downtime, two engines' "
            "memory) | unload-first (old engine unloaded first: downtime, one engine's memory)",
            "MODE"),
+    Option("triton_probe_timeout_s", "--triton-probe-timeout", _positive(_parse_float), "5",
+           "seconds a readiness probe of the vLLM model may take; the engine is declared lost "
+           "only after 3 failed probes over 5 s, or when Triton says it is not ready",
+           "SECONDS"),
     Option("triton_reload_min_interval_s", "--triton-reload-min-interval",
            _at_least(_parse_float, 0, "0 or more"), "60",
            "least seconds between two reloads of the vLLM model", "SECONDS"),
@@ -427,6 +431,7 @@ class Settings:
     triton_model: str = "vllm_model"
     triton_reload: TritonReload = TritonReload.ON_CHANGE
     triton_reload_min_interval_s: float = 60.0
+    triton_probe_timeout_s: float = 5.0
     api_token: str | None = field(default=None, repr=False)
     api_token_file: Path | None = None
     max_request_bytes: int = 64 * 1024

@@ -86,6 +86,7 @@ class EngineTracker:
     last_load_failed: bool = False
     last_error: str | None = None
     last: Transition | None = None
+    loads_started: int = 0  # a probe answered across a load says nothing about the new engine
     _load_started_at: float | None = None
 
     # ---- what the catalog asks ---------------------------------------------------------
@@ -161,6 +162,7 @@ class EngineTracker:
             self.loaded = None  # nothing serves until the new engine is up
         self.target, self.kind = generation, kind
         self._load_started_at = self.clock()
+        self.loads_started += 1
         return self._go(EngineState.LOADING, Transition.LOAD_STARTED,
                         f"{kind.value} of generation {generation}")
 

@@ -103,7 +103,7 @@ class TritonServer:
 
     @classmethod
     def start(cls, workdir: Path, catalog_path: Path, *, env: Mapping[str, str] | None = None,
-              ready_timeout_s: float = 60.0) -> TritonServer:
+              ready_timeout_s: float = 60.0, http_port: int | None = None) -> TritonServer:
         backends = build_backends(workdir / "backends")
         repository = copy_model_repository(workdir / "model_repository", catalog_path)
         libs = pytriton_dir().parent.parent / "nvidia_pytriton.libs"
@@ -124,7 +124,7 @@ class TritonServer:
             p for p in (str(libs), libdir, child_env.get("LD_LIBRARY_PATH")) if p
         )
         child_env.update(env or {})
-        http_port, grpc_port = free_port(), free_port()
+        http_port, grpc_port = http_port or free_port(), free_port()
         log_path = workdir / "tritonserver.log"
         with log_path.open("wb") as log:
             process = subprocess.Popen(

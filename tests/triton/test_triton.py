@@ -5,20 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
 from typing import Any
 
 import aiohttp
-import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from compose import client as compose_client
 from sidecar.app import Sidecar
 from sidecar.config import TritonReload
 from tests.conftest import S3Registry, call
-from tests.triton.conftest import StartNodeSidecar, TritonNode, ask
+from tests.triton.conftest import StartNodeSidecar, TritonNode, ask, direct_call
 from tests.triton.harness import VLLM_MODEL
 from tests.triton.standin_vllm.answer import expected_text
 
@@ -216,40 +213,6 @@ async def test_a_failed_reload_leaves_the_old_catalog_serving(
     assert "adapter new-v1 is in catalog generation 3, but Triton serves generation 2" in (
         error.message())
     assert "the last reload failed" in error.message()
-
-
-def direct_call(url: str, prompt: str, sampling: dict[str, Any], *, exclude: bool = True,
-                stream: bool = False) -> list[str]:
-    """vllm_model over a gRPC stream, as the router's BLS call reaches it: every text_output
-    piece until the final response; the backend's error raised as RuntimeError."""
-    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    inputs = []
-    for name, value in (("text_input", prompt), ("sampling_parameters", json.dumps(sampling))):
-        tensor = grpcclient.InferInput(name, [1], "BYTES")
-        tensor.set_data_from_numpy(np.array([value.encode()], dtype=object))
-        inputs.append(tensor)
-    for name, flag in (("exclude_input_in_output", exclude), ("stream", stream)):
-        tensor = grpcclient.InferInput(name, [1], "BOOL")
-        tensor.set_data_from_numpy(np.array([flag]))
-        inputs.append(tensor)
-    pieces: list[str] = []
-    try:
-        client.start_stream(callback=lambda result, error: answers.put((result, error)))
-        client.async_stream_infer(VLLM_MODEL, inputs, enable_empty_final_response=True)
-        while True:
-            result, error = answers.get(timeout=30)
-            if error is not None:
-                raise RuntimeError(error.message())
-            output = result.as_numpy("text_output")
-            if output is not None:
-                pieces.extend(p.decode() for p in output.reshape(-1))
-            final = result.get_response().parameters.get("triton_final_response")
-            if final is not None and final.bool_param:
-                return pieces
-    finally:
-        client.stop_stream()
-        client.close()
 
 
 async def test_the_standin_keeps_the_stock_vllm_backends_contract(
