@@ -5,7 +5,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: run test lint system-deps clean
+.PHONY: run test test-fast engine-env lint system-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is needed"'
@@ -25,9 +25,18 @@ run: $(VENV)/.run-deps
 	$(BIN)/lora-sidecar examples ./registry
 	exec $(BIN)/lora-sidecar serve
 
-## test: the whole test suite, system packages (Prometheus, docker-compose) included
-test: $(VENV)/.test-deps system-deps
+## test: the whole test suite, system packages (Prometheus, docker-compose) and the real
+## engine's environment (vLLM on CPU, scripts/engine-env.sh) included
+test: $(VENV)/.test-deps system-deps engine-env
 	$(BIN)/python -m pytest -q
+
+## test-fast: everything but the tests of the real engine and of a real Docker engine
+test-fast: $(VENV)/.test-deps system-deps
+	$(BIN)/python -m pytest -q -m "not engine and not docker"
+
+## engine-env: .engine-venv/ (or $$LORA_ENGINE_VENV); instant when already built
+engine-env:
+	PYTHON=$(PYTHON) ./scripts/engine-env.sh
 
 system-deps:
 	./scripts/install-system-deps.sh
@@ -37,4 +46,4 @@ lint: $(VENV)/.test-deps
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache
+	rm -rf $(VENV) .engine-venv .engine-venv.lock .pytest_cache .mypy_cache

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeGuard
@@ -13,6 +14,11 @@ from typing import Any, TypeGuard
 from .safetensors_check import Fault, shown
 
 _REQUIRED_FIELDS = ("r", "lora_alpha", "target_modules")
+# A module name or dotted path ("q_proj", "model.layers.0.self_attn.q_proj"), as PEFT writes
+# target_modules for a list, or for "all-linear" once resolved.
+_MODULE_PATH = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")
+_REGEX_MAX_CHARS = 1000
+_LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>[0-9]+)\.")
 _SUPPORTED_INITS = frozenset({"gaussian", "eva", "orthogonal", "mica", "lora_ga"})
 _UNSUPPORTED_FEATURES = {
     "alora_invocation_tokens": "vLLM does not support Activated LoRA (aLoRA).",
@@ -22,11 +28,30 @@ _UNSUPPORTED_FEATURES = {
 
 
 @dataclass(frozen=True, slots=True)
+class ModuleSpec:
+    """target_modules or exclude_modules as PEFT matches them against a module's path: a list
+    names modules by their last names or dotted suffixes, a string is a regular expression the
+    whole path must match."""
+
+    names: tuple[str, ...] = ()
+    regex: re.Pattern[str] | None = None
+
+    def matches(self, module_path: str) -> bool:
+        if self.regex is not None:
+            return self.regex.fullmatch(module_path) is not None
+        return any(module_path == n or module_path.endswith("." + n) for n in self.names)
+
+
+@dataclass(frozen=True, slots=True)
 class LoraConfig:
-    """What the tensor checks need from a config: the rank, and per-module exceptions."""
+    """What the tensor checks need from a config: the rank, per-module exceptions, and which
+    modules the adapter says it trained."""
 
     rank: int | None
     rank_pattern: Mapping[str, int]
+    targets: ModuleSpec | None = None  # None when target_modules is unusable
+    excluded: ModuleSpec | None = None
+    layers: frozenset[int] | None = None  # layers_to_transform
 
     def rank_for(self, module_path: str) -> int | None:
         # vLLM 0.34: a key matches a suffix of the module name at a "." boundary; first wins.
@@ -34,6 +59,18 @@ class LoraConfig:
             if module_path == key or module_path.endswith("." + key):
                 return rank
         return self.rank
+
+    def targets_module(self, module_path: str) -> bool | None:
+        """Whether PEFT would put LoRA weights on this module (None: the config cannot say)."""
+        if self.targets is None:
+            return None
+        if self.excluded is not None and self.excluded.matches(module_path):
+            return False
+        if self.layers is not None:
+            layer = _LAYER.search(module_path)
+            if layer is None or int(layer["layer"]) not in self.layers:
+                return False
+        return self.targets.matches(module_path)
 
 
 def check_adapter_config(
@@ -70,6 +107,7 @@ def check_adapter_config(
                        f"LoRA rank {rank} is greater than max_lora_rank {max_lora_rank}."))
     faults.extend(_rank_pattern_faults(config.get("rank_pattern"), max_lora_rank))
     faults.extend(_alpha_faults(config))
+    faults.extend(_ignored_pattern_faults(config, max_lora_rank))
     faults.extend(_target_module_faults(config, allowed_target_modules))
     faults.extend(_feature_faults(config))
     if base_model is not None and config.get("base_model_name_or_path") != base_model:
@@ -98,6 +136,31 @@ def _rank_pattern_faults(pattern: object, max_lora_rank: int) -> list[Fault]:
     return faults
 
 
+def _ignored_pattern_faults(config: dict[str, Any], max_lora_rank: int) -> list[Fault]:
+    """vLLM 0.13 (Triton 26.01) reads neither rank_pattern nor alpha_pattern: it scales every
+    module by lora_alpha / r, so a module with a rank or alpha of its own is served wrongly."""
+    faults: list[Fault] = []
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    pattern = config.get("rank_pattern")
+    if isinstance(pattern, dict):
+        own = sorted(k for k, v in pattern.items()
+                     if _positive_int(v) and v <= max_lora_rank and v != rank)
+        if own:
+            faults.append(("rank_pattern_not_supported", f"rank_pattern gives "
+                           f"{_names(own)} a rank of their own; the served vLLM (0.13) ignores "
+                           "rank_pattern and would scale them by lora_alpha/r: merge the "
+                           "pattern into the weights or retrain with one rank"))
+    pattern = config.get("alpha_pattern")
+    if isinstance(pattern, dict):
+        own = sorted(k for k, v in pattern.items() if _positive_number(v) and v != alpha)
+        if own:
+            faults.append(("alpha_pattern_not_supported", f"alpha_pattern gives "
+                           f"{_names(own)} an alpha of their own; the served vLLM (0.13) "
+                           "ignores alpha_pattern and would scale them by lora_alpha/r: fold "
+                           "the scale into lora_B or retrain with one alpha"))
+    return faults
+
+
 def _alpha_faults(config: dict[str, Any]) -> list[Fault]:
     faults: list[Fault] = []
     if "lora_alpha" in config and not _positive_number(config["lora_alpha"]):
@@ -113,18 +176,52 @@ def _alpha_faults(config: dict[str, Any]) -> list[Fault]:
 
 
 def _target_module_faults(config: dict[str, Any], allowed: frozenset[str]) -> list[Fault]:
-    modules = config.get("target_modules")
     if "target_modules" not in config:
         return []
-    if not (isinstance(modules, list) and modules and all(isinstance(m, str) for m in modules)):
-        # PEFT also allows a regex string, which cannot be checked against the allowed list.
-        return [("invalid_target_modules", "target_modules must be a non-empty list of module "
-                 f"names, got {_json(modules)}")]
-    unexpected = sorted(set(modules) - allowed)
+    modules = config.get("target_modules")
+    if isinstance(modules, str):
+        # A regular expression (PEFT matches it against every module's path); the tensors'
+        # modules are checked against the allowed list instead.
+        return [] if _regex(modules) is not None else [(
+            "invalid_target_modules", "target_modules is a string but not a regular expression "
+            f"of at most {_REGEX_MAX_CHARS} characters: {_json(modules)}")]
+    if not (isinstance(modules, list) and modules
+            and all(isinstance(m, str) and _MODULE_PATH.fullmatch(m) for m in modules)):
+        return [("invalid_target_modules", "target_modules must be a regular expression or a "
+                 f"non-empty list of module names or dotted paths, got {_json(modules)}")]
+    # PEFT writes "all-linear" out as every module's full path: the last name decides.
+    unexpected = sorted({m for m in modules if m.rsplit(".", 1)[-1] not in allowed})
     if unexpected:
         return [("module_not_allowed", f"target_modules lists {_names(unexpected)}; this "
                  f"server allows {_names(sorted(allowed))}")]
     return []
+
+
+def _regex(text: str) -> re.Pattern[str] | None:
+    if len(text) > _REGEX_MAX_CHARS:
+        return None
+    try:
+        return re.compile(text)
+    except (re.error, RecursionError, OverflowError):
+        return None
+
+
+def _module_spec(value: object) -> ModuleSpec | None:
+    if isinstance(value, str):
+        pattern = _regex(value)
+        return ModuleSpec(regex=pattern) if pattern is not None else None
+    if isinstance(value, list) and value and all(
+            isinstance(m, str) and _MODULE_PATH.fullmatch(m) for m in value):
+        return ModuleSpec(names=tuple(value))
+    return None
+
+
+def _layers(value: object) -> frozenset[int] | None:
+    if type(value) is int:
+        return frozenset({value})
+    if isinstance(value, list) and value and all(type(v) is int for v in value):
+        return frozenset(value)
+    return None
 
 
 def _feature_faults(config: dict[str, Any]) -> list[Fault]:
@@ -159,11 +256,15 @@ def _feature_faults(config: dict[str, Any]) -> list[Fault]:
 def _lora_config(config: dict[str, Any]) -> LoraConfig:
     rank = config.get("r")
     pattern = config.get("rank_pattern")
+    excluded = config.get("exclude_modules")
     return LoraConfig(
         rank=rank if _positive_int(rank) else None,
         rank_pattern={k: v for k, v in pattern.items() if _positive_int(v)}
         if isinstance(pattern, dict)
         else {},
+        targets=_module_spec(config.get("target_modules")),
+        excluded=_module_spec(excluded) if excluded not in (None, [], "") else None,
+        layers=_layers(config.get("layers_to_transform")),
     )
 
 

@@ -49,9 +49,9 @@ def adapter_config(
 
 
 def _random_tensor(
-    rng: np.random.Generator, shape: tuple[int, int], dtype: str
+    rng: np.random.Generator, shape: tuple[int, int], dtype: str, scale: float
 ) -> np.ndarray[Any, Any]:
-    values = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+    values = rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)
     if dtype == "float32":
         return values
     if dtype == "float16":
@@ -69,8 +69,11 @@ def write_adapter(
     dtype: str = "float16",
     seed: int = 0,
     base_model: str = "tiny-llama",
+    scale: float = 0.02,
 ) -> int:
-    """Write a valid adapter into `folder` (created); return its total size in bytes."""
+    """Write a valid adapter into `folder` (created); return its total size in bytes. `scale` is
+    the weights' standard deviation: the default barely changes a model's text; a few tenths
+    give an adapter a text of its own."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}")
     folder.mkdir(parents=True, exist_ok=True)
@@ -83,10 +86,10 @@ def write_adapter(
                 raise ValueError(f"unknown module {module!r}")
             in_features, out_features = dims
             arrays[tensor_name(layer, module, "A")] = _random_tensor(
-                rng, (rank, in_features), dtype
+                rng, (rank, in_features), dtype, scale
             )
             arrays[tensor_name(layer, module, "B")] = _random_tensor(
-                rng, (out_features, rank), dtype
+                rng, (out_features, rank), dtype, scale
             )
     specs = {
         name: TensorSpec(

@@ -247,12 +247,14 @@ def _check_tensors(
     problems: list[Problem] = []
     halves_by_path: dict[str, dict[str, TensorInfo]] = {}
     not_allowed: set[str] = set()
+    module_paths: set[str] = set()
     for tensor in tensors:
         parsed = _LORA_NAME.fullmatch(tensor.name.removeprefix(_NAME_PREFIX))
         if parsed is None:
             problems.append(_tensor_problem("unsupported_tensor_name",
                                             f"{shown(tensor.name)} is unsupported LoRA weight"))
             continue
+        module_paths.add(parsed["path"])
         module = parsed["module"]
         if module not in rules.allowed_target_modules:
             not_allowed.add(module)
@@ -285,7 +287,44 @@ def _check_tensors(
             continue
         rank = config.rank_for(module_path) if config is not None else None
         problems.extend(_check_pair(module_path, halves["A"], halves["B"], rank, rules.shapes))
+    if config is not None and halves_by_path and not problems:
+        problems.extend(_check_coverage(config, module_paths, rules))
     return problems
+
+
+def _check_coverage(config: LoraConfig, module_paths: set[str], rules: Rules) -> list[Problem]:
+    """The tensors and the config's target_modules must describe the same modules. vLLM goes by
+    the tensors alone; PEFT, which trained the adapter, by target_modules: where they differ,
+    what vLLM serves is not what was trained (checklist B15)."""
+    problems = []
+    untargeted = sorted(p for p in module_paths if config.targets_module(p) is False)
+    if untargeted:
+        problems.append(_tensor_problem("tensor_module_not_targeted", f"{_listed(untargeted)} "
+                                        "hold LoRA tensors, but target_modules does not name "
+                                        "them: vLLM would apply them, PEFT never trained them"))
+    if rules.shapes is not None:
+        candidates = [f"model.layers.{layer}.{'self_attn' if m in ATTENTION_MODULES else 'mlp'}"
+                      f".{m}" for layer in range(rules.shapes.num_hidden_layers)
+                      for m in sorted(rules.allowed_target_modules)
+                      if rules.shapes.module_dims(m) is not None]
+        lacking = [c for c in candidates if config.targets_module(c) and c not in module_paths]
+    elif config.targets is not None and config.targets.regex is None:
+        # Without the base model's layout, only a name no tensor carries can be told.
+        lacking = [n for n in config.targets.names
+                   if not any(p == n or p.endswith("." + n) for p in module_paths)]
+    else:
+        lacking = []
+    if lacking:
+        problems.append(_tensor_problem("targeted_module_without_tensors", "target_modules "
+                                        f"names {_listed(lacking)}, but the file holds no LoRA "
+                                        "tensors for them: an incomplete export; vLLM would "
+                                        "serve the adapter without them"))
+    return problems
+
+
+def _listed(names: Sequence[str], limit: int = 6) -> str:
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(shown(n) for n in names[:limit]) + more
 
 
 def _check_pair(

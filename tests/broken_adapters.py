@@ -7,11 +7,13 @@ that the adapter is refused and that it is refused for the right reason.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,23 +29,31 @@ from sidecar.validate import Rules
 WEIGHTS = "adapter_model.safetensors"
 Arrays = dict[str, NDArray[Any]]
 CONFIG = "adapter_config.json"
-# Another Llama-shaped model: adapters trained on it do not fit TINY_LLAMA's MLP.
-OTHER_LLAMA = ModelShapes(
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_hidden_layers=2,
-    head_dim=16,
-)
-DEEPER_LLAMA = ModelShapes(
-    hidden_size=64,
-    intermediate_size=172,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_hidden_layers=3,
-    head_dim=16,
-)
+# The base model the cases are written for, and their weights' scale; the engine tier writes
+# them for its own model, with weights that change its text.
+_base = [TINY_LLAMA]
+_scale = [0.02]
+
+
+@contextlib.contextmanager
+def written_for(shapes: ModelShapes, scale: float = 0.02) -> Iterator[None]:
+    """Write the cases inside this block for another base model than TINY_LLAMA."""
+    _base.append(shapes)
+    _scale.append(scale)
+    try:
+        yield
+    finally:
+        _base.pop()
+        _scale.pop()
+
+
+def _other_base() -> ModelShapes:
+    """A model of the same family whose MLP has another width."""
+    return dataclasses.replace(_base[-1], intermediate_size=_base[-1].intermediate_size - 44)
+
+
+def _deeper_base() -> ModelShapes:
+    return dataclasses.replace(_base[-1], num_hidden_layers=_base[-1].num_hidden_layers + 1)
 
 
 @dataclass(frozen=True)
@@ -63,7 +73,10 @@ class BrokenAdapter:
 
 
 def write_valid(folder: Path, **options: Any) -> None:
-    """The starting point of every case: rank 8, q_proj and v_proj, float16, TINY_LLAMA."""
+    """The starting point of every case: rank 8, q_proj and v_proj, float16, TINY_LLAMA (or the
+    model of the enclosing `written_for`)."""
+    options.setdefault("shapes", _base[-1])
+    options.setdefault("scale", _scale[-1])
     write_adapter(folder, **options)
 
 
@@ -139,7 +152,7 @@ def _replace_in_header(folder: Path, old: bytes, new: bytes, count: int = 1) -> 
 
 
 def _random(shape: tuple[int, int]) -> NDArray[np.float16]:
-    return (np.random.default_rng(7).standard_normal(shape) * 0.02).astype(np.float16)
+    return (np.random.default_rng(7).standard_normal(shape) * _scale[-1]).astype(np.float16)
 
 
 # ---- the cases --------------------------------------------------------------------------------
@@ -243,9 +256,11 @@ def _rank_pattern_above_limit(folder: Path) -> None:
     write_valid(folder, rank=8)
     edit_config(folder, rank_pattern={"model.layers.0.self_attn.q_proj": 32})
 
+    in_features, out_features = _base[-1].module_dims("q_proj") or (0, 0)
+
     def widen(tensors: Arrays) -> None:
-        tensors[tensor_name(0, "q_proj", "A")] = _random((32, 64))
-        tensors[tensor_name(0, "q_proj", "B")] = _random((64, 32))
+        tensors[tensor_name(0, "q_proj", "A")] = _random((32, in_features))
+        tensors[tensor_name(0, "q_proj", "B")] = _random((out_features, 32))
 
     edit_tensors(folder, widen)
 
@@ -297,6 +312,39 @@ def _string_rank(folder: Path) -> None:
     edit_config(folder, r="8")
 
 
+def _config_targets_module_without_tensors(folder: Path) -> None:
+    write_valid(folder)
+    edit_config(folder, target_modules=["q_proj", "k_proj", "v_proj"])
+
+
+def _tensors_for_module_not_targeted(folder: Path) -> None:
+    write_valid(folder)
+    edit_config(folder, target_modules=["q_proj"])
+
+
+def _config_rank_differs_from_tensors(folder: Path) -> None:
+    write_valid(folder)
+    edit_config(folder, r=16)
+
+
+def _rank_pattern_ignored(folder: Path) -> None:
+    write_valid(folder, rank=8)
+    edit_config(folder, rank_pattern={"q_proj": 4})
+    in_features, out_features = _base[-1].module_dims("q_proj") or (0, 0)
+
+    def narrow(tensors: Arrays) -> None:
+        for layer in range(_base[-1].num_hidden_layers):
+            tensors[tensor_name(layer, "q_proj", "A")] = _random((4, in_features))
+            tensors[tensor_name(layer, "q_proj", "B")] = _random((out_features, 4))
+
+    edit_tensors(folder, narrow)
+
+
+def _alpha_pattern_ignored(folder: Path) -> None:
+    write_valid(folder)
+    edit_config(folder, alpha_pattern={"v_proj": 64})
+
+
 def _unknown_module(folder: Path) -> None:
     write_valid(folder)
     _replace_in_header(folder, b"v_proj.lora_A", b"w_proj.lora_A")
@@ -325,11 +373,11 @@ def _peft_adapter_name_kept(folder: Path) -> None:
 
 
 def _base_config_mismatch(folder: Path) -> None:
-    write_valid(folder, shapes=OTHER_LLAMA, target_modules=("q_proj", "down_proj"))
+    write_valid(folder, shapes=_other_base(), target_modules=("q_proj", "down_proj"))
 
 
 def _layer_out_of_range(folder: Path) -> None:
-    write_valid(folder, shapes=DEEPER_LLAMA)
+    write_valid(folder, shapes=_deeper_base())
 
 
 def _wrong_module_path(folder: Path) -> None:
@@ -445,6 +493,14 @@ CORPUS: tuple[BrokenAdapter, ...] = (
     _case("wrong_module_path", "module_path_mismatch", _wrong_module_path,
           base_shapes=TINY_LLAMA),
     _case("no_lora_tensors", "no_lora_tensors", _no_lora_tensors),
+    _case("config_targets_module_without_tensors", "targeted_module_without_tensors",
+          _config_targets_module_without_tensors),
+    _case("tensors_for_module_not_targeted", "tensor_module_not_targeted",
+          _tensors_for_module_not_targeted),
+    _case("config_rank_differs_from_tensors", "lora_shape_mismatch",
+          _config_rank_differs_from_tensors),
+    _case("rank_pattern_ignored", "rank_pattern_not_supported", _rank_pattern_ignored),
+    _case("alpha_pattern_ignored", "alpha_pattern_not_supported", _alpha_pattern_ignored),
     # files (checklist A)
     _case("bin_beside_safetensors", "forbidden_file", _bin_beside_safetensors),
     _case("tokenizer_config", "forbidden_file", _code_file),

@@ -26,8 +26,8 @@ class SidecarProcess:
     """`python -m sidecar serve` in a child process, started and answering /healthz."""
 
     def __init__(self, args: list[str], log_path: Path,
-                 env: Mapping[str, str] | None = None) -> None:
-        self.port = free_port()
+                 env: Mapping[str, str] | None = None, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self._log = open(log_path, "ab")  # closed in stop()

@@ -212,7 +212,9 @@ def test_nonfinite_values_are_refused_only_when_scanned(
     assert target in problems[0].message
 
 
-def test_rank_pattern_gives_a_module_its_own_rank(tmp_path: Path) -> None:
+def test_rank_pattern_is_refused_where_the_engine_ignores_it(tmp_path: Path) -> None:
+    # vLLM 0.13 (Triton 26.01) scales every module by lora_alpha/r, whatever rank_pattern says;
+    # the engine tier shows such an adapter served with another text than PEFT's.
     folder = tmp_path / "a"
     write_adapter(folder, rank=8)
     edit_config(folder, rank_pattern={"model.layers.1.self_attn.q_proj": 4})
@@ -221,12 +223,56 @@ def test_rank_pattern_gives_a_module_its_own_rank(tmp_path: Path) -> None:
     tensors[tensor_name(1, "q_proj", "B")] = np.zeros((64, 4), np.float16)
     save_file(tensors, str(folder / WEIGHTS))
 
+    problems = validate_adapter(folder, Rules(shapes=TINY_LLAMA))
+    assert codes(problems) == {"rank_pattern_not_supported"}  # the shapes fit the pattern
+    assert "model.layers.1.self_attn.q_proj" in problems[0].message
+
+    edit_config(folder, rank_pattern={"model.layers.1.self_attn.q_proj": 8})  # no change: fine
+    tensors[tensor_name(1, "q_proj", "A")] = np.zeros((8, 64), np.float16)
+    tensors[tensor_name(1, "q_proj", "B")] = np.zeros((64, 8), np.float16)
+    save_file(tensors, str(folder / WEIGHTS))
     assert validate_adapter(folder, Rules(shapes=TINY_LLAMA)) == []
 
-    edit_config(folder, rank_pattern={})
-    problems = validate_adapter(folder, Rules())
-    assert codes(problems) == {"lora_shape_mismatch"}
-    assert "rank 4" in problems[0].message
+    edit_config(folder, rank_pattern={}, alpha_pattern={"q_proj": 4})
+    assert codes(validate_adapter(folder, Rules())) == {"alpha_pattern_not_supported"}
+    edit_config(folder, alpha_pattern={"q_proj": 16})  # lora_alpha itself: no change
+    assert validate_adapter(folder, Rules()) == []
+
+
+def test_target_modules_as_peft_writes_them(tmp_path: Path) -> None:
+    folder = tmp_path / "a"
+    write_adapter(folder, rank=8, target_modules=("q_proj", "v_proj"))
+    paths = [f"model.layers.{layer}.self_attn.{m}"
+             for layer in (1, 0) for m in ("v_proj", "q_proj")]
+    rules = Rules(shapes=TINY_LLAMA)
+
+    edit_config(folder, target_modules=paths)  # "all-linear", resolved by PEFT
+    assert validate_adapter(folder, rules) == []
+    edit_config(folder, target_modules=r".*\.(q_proj|v_proj)")  # a regular expression
+    assert validate_adapter(folder, rules) == []
+    assert validate_adapter(folder, Rules()) == []
+
+    edit_config(folder, target_modules=r".*\.q_proj")
+    problems = validate_adapter(folder, rules)
+    assert codes(problems) == {"tensor_module_not_targeted"}
+    assert "model.layers.0.self_attn.v_proj" in problems[0].message
+    edit_config(folder, target_modules=paths[:3])
+    assert codes(validate_adapter(folder, rules)) == {"tensor_module_not_targeted"}
+    edit_config(folder, target_modules=["q_proj", "v_proj"], layers_to_transform=[1])
+    assert codes(validate_adapter(folder, rules)) == {"tensor_module_not_targeted"}
+    edit_config(folder, target_modules=["q_proj", "v_proj"], layers_to_transform=None,
+                exclude_modules=["model.layers.0.self_attn.q_proj"])
+    assert codes(validate_adapter(folder, rules)) == {"tensor_module_not_targeted"}
+
+    edit_config(folder, exclude_modules=None, target_modules=["q_proj", "v_proj", "o_proj"])
+    problems = validate_adapter(folder, rules)
+    assert codes(problems) == {"targeted_module_without_tensors"}
+    assert "model.layers.0.self_attn.o_proj" in problems[0].message
+    assert codes(validate_adapter(folder, Rules())) == {"targeted_module_without_tensors"}
+
+    for bad in ("(unclosed", "x" * 2000, ["q_proj", "v proj"], []):
+        edit_config(folder, target_modules=bad)
+        assert codes(validate_adapter(folder, rules)) == {"invalid_target_modules"}, bad
 
 
 def test_embedding_tensors_need_embed_tokens_allowed(tmp_path: Path) -> None:
@@ -236,6 +282,7 @@ def test_embedding_tensors_need_embed_tokens_allowed(tmp_path: Path) -> None:
     tensors["base_model.model.model.embed_tokens.lora_embedding_A"] = np.zeros((8, 100), np.float16)
     tensors["base_model.model.model.embed_tokens.lora_embedding_B"] = np.zeros((64, 8), np.float16)
     save_file(tensors, str(folder / WEIGHTS))
+    edit_config(folder, target_modules=["q_proj", "v_proj", "embed_tokens"])
 
     assert codes(validate_adapter(folder, Rules())) == {"module_not_allowed"}
     allowed = Rules(allowed_target_modules=frozenset({"q_proj", "v_proj", "embed_tokens"}))

@@ -47,7 +47,7 @@ def start_triton_node(workdir: Path, *, env: dict[str, str] | None = None,
     fail_flag = workdir / "fail-vllm-load"
     server = TritonServer.start(workdir / f"server-{free_port()}", cache_root / "multi_lora.json",
                                 env={"STANDIN_VLLM_FAIL_FLAG": str(fail_flag), **(env or {})},
-                                http_port=http_port)
+                                ports=(http_port, free_port()) if http_port else None)
     try:
         node = TritonNode(server, cache_root, sidecar_port or free_port(), fail_flag)
         server.load(ROUTER, router_config(node.sidecar_url, instances=ROUTER_INSTANCES))

@@ -1,6 +1,6 @@
 """A real `tritonserver` for tests, from the nvidia-pytriton wheel: its own backend directory
-(the Python backend plus the CPU stand-in installed as backend `vllm`), a copy of triton_repo
-whose catalog link points at the test's cache, free ports, explicit model control.
+(the Python backend plus, as backend `vllm`, the CPU stand-in or the stock vLLM backend), a copy
+of triton_repo whose catalog link points at the test's cache, free ports, explicit model control.
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ def free_port() -> int:
         return port
 
 
-def build_backends(dest: Path) -> Path:
-    """Copies, not links: Triton refuses a backend library whose real path leaves the dir."""
+def build_backends(dest: Path, vllm_backend: Path | None = None) -> Path:
+    """Copies, not links: Triton refuses a backend library whose real path leaves the dir.
+    Backend `vllm` is the stock backend's folder (model.py, utils/) when given, unmodified;
+    otherwise the CPU stand-in."""
     source = pytriton_dir()
     python_dir = dest / "python"
     python_dir.mkdir(parents=True)
@@ -55,19 +57,29 @@ def build_backends(dest: Path) -> Path:
     shutil.copy2(source / "python_backend_stubs" / version / "triton_python_backend_stub",
                  python_dir / "triton_python_backend_stub")
     vllm_dir = dest / "vllm"
+    if vllm_backend is not None:
+        vllm_dir.mkdir()
+        shutil.copy2(vllm_backend / "model.py", vllm_dir / "model.py")
+        shutil.copytree(vllm_backend / "utils", vllm_dir / "utils",
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        return dest
     vllm_dir.mkdir()
     for name in ("model.py", "answer.py"):
         shutil.copy2(STANDIN_DIR / name, vllm_dir / name)
     return dest
 
 
-def copy_model_repository(dest: Path, catalog_path: Path) -> Path:
-    """triton_repo as checked in, but for the one link to the catalog the sidecar renders."""
+def copy_model_repository(dest: Path, catalog_path: Path,
+                          engine_args: Mapping[str, Any] | None = None) -> Path:
+    """triton_repo as checked in, but for the one link to the catalog the sidecar renders and,
+    when given, the engine settings (vllm_model/1/model.json) of the test's machine."""
     shutil.copytree(TRITON_REPO, dest, symlinks=True,
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     link = dest / CATALOG_LINK
     link.unlink()
     link.symlink_to(catalog_path)
+    if engine_args is not None:
+        (dest / VLLM_MODEL / "1" / "model.json").write_text(json.dumps(engine_args, indent=2))
     return dest
 
 
@@ -103,11 +115,25 @@ class TritonServer:
 
     @classmethod
     def start(cls, workdir: Path, catalog_path: Path, *, env: Mapping[str, str] | None = None,
-              ready_timeout_s: float = 60.0, http_port: int | None = None) -> TritonServer:
-        backends = build_backends(workdir / "backends")
-        repository = copy_model_repository(workdir / "model_repository", catalog_path)
+              ready_timeout_s: float = 60.0, vllm_backend: Path | None = None,
+              python_venv: Path | None = None,
+              engine_args: Mapping[str, Any] | None = None,
+              ports: tuple[int, int] | None = None) -> TritonServer:
+        """`vllm_backend`: the stock backend's folder (else the stand-in); `python_venv`: the
+        environment the Python models run in (else this interpreter's); `engine_args`: the
+        model.json of vllm_model (else the checked-in one); `ports`: (HTTP, gRPC), for a restart
+        where clients expect the server."""
+        backends = build_backends(workdir / "backends", vllm_backend)
+        repository = copy_model_repository(workdir / "model_repository", catalog_path,
+                                           engine_args)
         libs = pytriton_dir().parent.parent / "nvidia_pytriton.libs"
+        python_bin = python_venv / "bin" if python_venv else Path(sys.executable).parent
         libdir = sysconfig.get_config_var("LIBDIR")
+        if python_venv is not None:
+            libdir = subprocess.run(
+                [str(python_bin / "python"), "-c",
+                 "import sysconfig; print(sysconfig.get_config_var('LIBDIR'))"],
+                check=True, capture_output=True, text=True, timeout=60).stdout.strip()
         libpython = f"libpython{sys.version_info.major}.{sys.version_info.minor}.so.1.0"
         if not (Path(libdir) / libpython).exists():
             raise RuntimeError(f"the Python backend stub needs {libpython}, which is not in "
@@ -119,12 +145,12 @@ class TritonServer:
                      if not k.startswith(("LORA_SIDECAR_", "AWS_"))}
         # The stub finds its packages through the first python3 on PATH, and it embeds
         # libpython, which lives in the interpreter's LIBDIR.
-        child_env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{child_env.get('PATH', '')}"
+        child_env["PATH"] = f"{python_bin}{os.pathsep}{child_env.get('PATH', '')}"
         child_env["LD_LIBRARY_PATH"] = os.pathsep.join(
             p for p in (str(libs), libdir, child_env.get("LD_LIBRARY_PATH")) if p
         )
         child_env.update(env or {})
-        http_port, grpc_port = http_port or free_port(), free_port()
+        http_port, grpc_port = ports or (free_port(), free_port())
         log_path = workdir / "tritonserver.log"
         with log_path.open("wb") as log:
             process = subprocess.Popen(
@@ -202,6 +228,12 @@ class TritonServer:
             try:
                 self.process.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                # The stubs are in the server's session; end them with it.
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
+                pass
+        # The stubs and vLLM's engine processes are in the server's session; whatever of them
+        # outlived the server (an EngineCore spins a core when abandoned) ends with it.
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if self.process.poll() is None:
+            self.process.wait(timeout=10)

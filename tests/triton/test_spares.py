@@ -200,7 +200,7 @@ async def test_bindings_survive_a_sidecar_restart_and_a_triton_restart_on_the_sa
         node.server.stop()  # Triton restarts on the same catalog, at the same address
         node.server = TritonServer.start(tmp_path / "node" / "again",
                                          node.cache_root / "multi_lora.json",
-                                         http_port=node.server.http_port)
+                                         ports=(node.server.http_port, node.server.grpc_port))
         servers.append(node.server)
         node.server.load(ROUTER, router_config(node.sidecar_url, instances=2))
         await wait_for(lambda: (second.metrics.registry.get_sample_value(
