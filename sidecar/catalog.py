@@ -235,7 +235,17 @@ class Catalog:
         back to its no-op, burnt. A name whose adapter left adapters/ unkept goes to a no-op
         (never dangling: that would kill the engine) and is never handed out again."""
         adapters = self._store.adapters_dir
-        retired_noop = generation_dir(self._root, record.number) / NOOP_DIR / RETIRED
+        noops = generation_dir(self._root, record.number) / NOOP_DIR
+        retired_noop = noops / RETIRED
+        if self._noop is not None and noops.is_dir():
+            # A no-op removed behind the sidecar's back is written again: a name pointing at
+            # it must resolve. (The bytes are the same: nothing is re-pointed.)
+            for name in (RETIRED, *record.spares):
+                if not (noops / name / "adapter_model.safetensors").is_file():
+                    shutil.rmtree(noops / name, ignore_errors=True)
+                    self._noop.write(noops / name)
+                    log.warning("catalog: the no-op adapter of %s in generation %d was gone; "
+                                "written again", name, record.number)
         for adapter_id in record.adapter_ids:
             target = link_target(self._root, record.number, adapter_id)
             if target == noop_target(RETIRED):

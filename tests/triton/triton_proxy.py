@@ -6,6 +6,7 @@ a Triton that does not answer at all)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -64,3 +65,32 @@ class TritonProxy:
             body = await answer.read()
             return web.Response(status=answer.status, body=body,
                                 content_type=answer.content_type)
+
+
+class ThreadedTritonProxy:
+    """A TritonProxy on an event loop of its own thread, for synchronous tests (the engine
+    tier): `start()`, then read `calls` / `repository_calls()`; `stop()` at the end."""
+
+    def __init__(self, upstream: str) -> None:
+        self.proxy = TritonProxy(upstream)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="triton-proxy",
+                                        daemon=True)
+
+    def start(self) -> ThreadedTritonProxy:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self.proxy.start(), self._loop).result(timeout=30)
+        return self
+
+    @property
+    def url(self) -> str:
+        return self.proxy.url
+
+    def repository_calls(self) -> list[str]:
+        return list(self.proxy.repository_calls())
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.proxy.stop(), self._loop).result(timeout=30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self._loop.close()
