@@ -81,7 +81,8 @@ def kept_target(spare: str) -> str:
 @dataclass(frozen=True, slots=True)
 class NoopAdapter:
     """The bytes of an adapter that fits the base model and changes nothing: rank 1 on one
-    projection of layer 0, lora_B zero (so B·A·x is 0 whatever A is)."""
+    projection of every layer (an adapter that names a module must hold it for every layer),
+    lora_B zero (so B·A·x is 0 whatever A is). About 0.5 MB for an 8B Llama."""
 
     config: bytes
     weights: bytes
@@ -101,11 +102,12 @@ class NoopAdapter:
         assert dims is not None
         in_features, out_features = dims
         block = "self_attn" if module in ATTENTION_MODULES else "mlp"
-        prefix = f"base_model.model.model.layers.0.{block}.{module}"
-        weights = save({
-            f"{prefix}.lora_A.weight": np.zeros((1, in_features), dtype=np.float16),
-            f"{prefix}.lora_B.weight": np.zeros((out_features, 1), dtype=np.float16),
-        }, metadata={"format": "pt"})
+        tensors = {}
+        for layer in range(shapes.num_hidden_layers):
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = np.zeros((1, in_features), dtype=np.float16)
+            tensors[f"{prefix}.lora_B.weight"] = np.zeros((out_features, 1), dtype=np.float16)
+        weights = save(tensors, metadata={"format": "pt"})
         config = {
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 1, "lora_alpha": 1,
             "lora_dropout": 0.0, "target_modules": [module], "bias": "none",

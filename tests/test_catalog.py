@@ -731,3 +731,86 @@ async def test_a_spare_someone_read_before_it_was_bound_is_never_bound(world: Wo
     assert sorted(catalog.status()["spares"]["burnt"]) == spares[:3]
     with pytest.raises(CatalogPending, match="no spare name is left"):
         await world.stage("a2")
+
+
+# ---- the HTTP API, on the real sidecar ----------------------------------------------------------
+
+
+async def api_sidecar(tmp_path: Path, start_sidecar: Any, **overrides: Any) -> Any:
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps(TINY_LLAMA.to_config()))
+    return await start_sidecar(make_settings(tmp_path, base_model_config=base, spare_names=4,
+                                             **overrides))
+
+
+async def test_stage_answers_the_name_to_send_and_catalog_shows_the_binding(
+    tmp_path: Path, start_sidecar: Any, http: Any,
+) -> None:
+    from tests.conftest import call
+
+    local_registry_adapter(tmp_path, "a1")
+    sidecar = await api_sidecar(tmp_path, start_sidecar)
+
+    status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "a1"})
+    _, again = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "a1"})
+    _, shown = await call(http, "GET", f"{sidecar.url}/catalog")
+
+    assert status == 200, body
+    assert body["lora_name"].startswith("_spare-g1-") and again["lora_name"] == body["lora_name"]
+    assert body["adapter_id"] == "a1"
+    assert shown["spares"]["bound"] == {body["lora_name"]: "a1"}
+    assert shown["spares"]["left"] == 3 and shown["spares"]["enabled"] is True
+    assert shown["generation"] == 1 and shown["next_compaction"] is None
+    assert "on disk" in shown["rule"]
+    metrics = (await (await http.get(f"{sidecar.url}/metrics")).text())
+    assert "lora_sidecar_catalog_bindings_total 1.0" in metrics
+    assert "lora_sidecar_catalog_spares_left 3.0" in metrics
+
+
+async def test_compact_needs_the_token_and_renders_a_generation_listing_what_is_on_disk(
+    tmp_path: Path, start_sidecar: Any, http: Any,
+) -> None:
+    from tests.conftest import call
+
+    local_registry_adapter(tmp_path, "a1")
+    sidecar = await api_sidecar(tmp_path, start_sidecar, api_token="s3cret-token")
+    await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "a1"})
+
+    refused, body = await call(http, "POST", f"{sidecar.url}/catalog/compact", {})
+    accepted, plan = await call(http, "POST", f"{sidecar.url}/catalog/compact", None,
+                                {"Authorization": "Bearer s3cret-token"})
+    wrong, _ = await call(http, "POST", f"{sidecar.url}/catalog/compact", {"force": True},
+                          {"Authorization": "Bearer s3cret-token"})
+    await sidecar.catalog.sync()
+    _, stage = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "a1"})
+
+    assert (refused, body["error"]) == (401, "unauthorized")
+    assert accepted == 202 and plan["planned"]["reason"] == "requested"
+    assert wrong == 400  # unknown field
+    assert stage["lora_name"] == "a1"  # listed by its own name now
+    assert sidecar.catalog.status()["generation"] == 2
+
+
+async def test_an_adapter_the_watcher_adopts_follows_the_catalogs_rule(
+    tmp_path: Path, start_sidecar: Any, http: Any,
+) -> None:
+    from sidecar.examples import write_adapter
+    from tests.conftest import call
+    from tests.observing import eventually
+
+    sidecar = await api_sidecar(tmp_path, start_sidecar)
+    outside = tmp_path / "copy"
+    write_adapter(outside, seed=3)
+    outside.rename(tmp_path / "cache" / "adapters" / "copied-v1")
+
+    async def adopted() -> bool:
+        return sidecar.store.get("copied-v1") is not None
+
+    await eventually(adopted, timeout_s=15, what="the watcher adopts the copy")
+    status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "copied-v1"})
+
+    assert status == 200, body
+    assert body["cached"] is True and body["lora_name"].startswith("_spare-g1-")
+    sidecar.catalog.request_compaction()
+    await sidecar.catalog.sync()
+    assert "copied-v1" in sidecar.catalog.status()["adapter_ids"]
