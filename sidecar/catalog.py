@@ -25,6 +25,7 @@ from .config import Settings, TritonReload
 from .engine_state import EngineState, EngineTracker, LoadKind, LoadOutcome, Probe, Transition
 from .errors import CatalogPending, CatalogReloading
 from .generations import (
+    CATALOG_DIR,
     NOOP_DIR,
     RETIRED,
     GenerationRecord,
@@ -126,7 +127,6 @@ class Catalog:
         self._lock = asyncio.Lock()  # one render-and-load at a time (held across a load)
         self._journal_lock = asyncio.Lock()  # journal changes: short, never across a load
         self._wake = asyncio.Event()
-        self._triton_wake = asyncio.Event()  # a transition that calls for a load
         self._journal_dirty = False  # changed on the loop by a hook; saved by the next step
         self._reads = ReadWatch()
 
@@ -146,7 +146,7 @@ class Catalog:
         try:
             await asyncio.to_thread(self._recover)
         except OSError as exc:
-            self._error = f"cannot read or tidy {self._root / 'catalog'}: {exc.strerror or exc}"
+            self._error = f"cannot read or tidy {self._root / CATALOG_DIR}: {exc.strerror or exc}"
             log.warning("catalog: %s", self._error)
         for record in self._journal.generations.values():
             self._watch_unbound(record)
@@ -169,7 +169,7 @@ class Catalog:
         except ValueError as exc:
             return None, str(exc)
         # Checked by the same gate as every adapter, in a folder of its own.
-        probe = self._root / "catalog" / f".noop-check.{os.getpid()}"
+        probe = self._root / CATALOG_DIR / f".noop-check.{os.getpid()}"
         try:
             shutil.rmtree(probe, ignore_errors=True)
             noop.write(probe)
@@ -193,7 +193,7 @@ class Catalog:
         """Blocking. Take the journal if multi_lora.json is still its current generation;
         tidy every binding whose link a crash left behind. Folders of generations no journal
         names are deleted after the retire grace (an engine may still read them)."""
-        (self._root / "catalog").mkdir(parents=True, exist_ok=True)
+        (self._root / CATALOG_DIR).mkdir(parents=True, exist_ok=True)
         try:
             journal = read_journal(self._root)
         except ValueError as exc:
@@ -216,7 +216,7 @@ class Catalog:
             self._repair_links(record)
         self._journal = journal
         grace_at = self._wall() + self._settings.lease_ttl_s
-        for entry in (self._root / "catalog").iterdir():
+        for entry in (self._root / CATALOG_DIR).iterdir():
             if (entry.name.startswith("g") and entry.name[1:].isdigit()
                     and int(entry.name[1:]) not in journal.generations):
                 self._orphans[int(entry.name[1:])] = grace_at
@@ -277,12 +277,12 @@ class Catalog:
                     self._burn(record, spare, f"{bound_id} left the disk and was not kept")
 
     def _burn(self, record: GenerationRecord, spare: str, why: str) -> None:
-        """Point a spare at its no-op and never hand it out again (a few system calls)."""
+        """Point a spare at its no-op and never hand it out again (a few system calls). The
+        journal is saved by the next step (a caller on the loop sets `_wake`)."""
         point_link(self._root, record.number, spare, noop_target(spare))
         self._reads.unwatch((record.number, spare))
         record.retire_name(spare)
         self._journal_dirty = True
-        self._wake.set()
         log.warning("catalog: spare name %s of generation %d is never handed out again (%s)",
                     spare, record.number, why)
 
@@ -304,6 +304,7 @@ class Catalog:
                       f"{self._model}?)"
             self._burn(record, spare, why)
         self._update_gauges()
+        self._wake.set()
 
     # ---- names for /stage ----------------------------------------------------------------
 
@@ -467,6 +468,7 @@ class Catalog:
             record.kept.add(spare)
             log.info("catalog: spare name %s keeps the files of evicted adapter %s until "
                      "generation %d retires", spare, adapter_id, record.number)
+        self._wake.set()
 
     def after_forget(self, adapter_id: str) -> None:
         """An adapter's folder vanished or changed outside the sidecar: its names that still
@@ -479,6 +481,7 @@ class Catalog:
             if spare is not None and spare not in record.kept:
                 self._burn(record, spare, f"{adapter_id} was removed or changed outside the "
                            "sidecar")
+        self._wake.set()
 
     def _retire_own(self, record: GenerationRecord, adapter_id: str, why: str) -> None:
         if not (generation_dir(self._root, record.number) / NOOP_DIR / RETIRED).is_dir():

@@ -92,15 +92,25 @@ def test_eight_concurrent_calls_over_four_adapters_with_room_for_two(
 # ---- the stock backend's contract, asserted on the real backend ----------------------------
 
 
+def lora_name(node: EngineNode, adapter_id: str) -> str:
+    """Stage an adapter (so vLLM can read its folder); the name vllm_model knows it by."""
+    request = urllib.request.Request(f"{node.sidecar.url}/stage", method="POST",
+                                     data=json.dumps({"adapter_id": adapter_id,
+                                                      "lease": False}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return str(json.loads(response.read())["lora_name"])
+
+
 def test_vllm_model_is_decoupled_and_streams_the_adapters_text_in_pieces(
     node: EngineNode, engine_assets: EngineAssets
 ) -> None:
-    node.ask("tenant-1")  # staged, so vLLM can read its folder
+    name = lora_name(node, "tenant-1")
     with urllib.request.urlopen(f"{node.server.http_url}/v2/models/{VLLM_MODEL}/config",
                                 timeout=10) as response:
         config = json.loads(response.read())
 
-    pieces = node.vllm_stream("tenant-1", stream=True)
+    pieces = node.vllm_stream(name, stream=True)
 
     assert config["model_transaction_policy"]["decoupled"] is True
     assert len(pieces) > 1
@@ -110,11 +120,11 @@ def test_vllm_model_is_decoupled_and_streams_the_adapters_text_in_pieces(
 def test_vllm_model_echoes_the_prompt_unless_told_not_to(
     node: EngineNode, engine_assets: EngineAssets
 ) -> None:
-    node.ask("tenant-2")
+    name = lora_name(node, "tenant-2")
     expected = engine_assets.text("tenant-2")
 
-    echoed = node.vllm_stream("tenant-2")
-    excluded = node.vllm_stream("tenant-2", exclude_input=True)
+    echoed = node.vllm_stream(name)
+    excluded = node.vllm_stream(name, exclude_input=True)
     base = node.vllm_stream(None, exclude_input=True)
 
     assert echoed == [PROMPT + expected]  # the stock default when not streaming
@@ -277,9 +287,12 @@ def test_a_dead_engine_as_the_stock_backend_shows_it(
 
     if _health_check_enabled():
         # The backend checks the engine before each request, answers UNAVAILABLE and unloads
-        # the model by itself.
-        assert status_of(direct.value) == "UNAVAILABLE"
+        # the model by itself. (A streamed error carries its message, not its code: the router,
+        # which gets the code through BLS, is what clients see.)
         assert "unhealthy vLLM engine" in (direct.value.message() or "")
+        with pytest.raises(InferenceServerException) as routed:
+            node.ask("tenant-0")
+        assert status_of(routed.value) == "UNAVAILABLE", routed.value.message()
         return
     # Without the check the model stays READY while every request fails, and a load with
     # unchanged files does not bring the engine back.

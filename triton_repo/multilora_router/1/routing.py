@@ -171,7 +171,7 @@ class Lease:
     lora_name: str  # the name vllm_model knows the adapter by: its id, or a spare catalog name
 
 
-def sampling_parameters(text: str | None, lora_name: str) -> str:
+def sampling_parameters(text: str | None, adapter_id: str) -> str:
     """The caller's JSON merged over the defaults, with `lora_name`; the JSON for vllm_model."""
     given: Any = {}
     if text is not None and text.strip():
@@ -198,7 +198,7 @@ def sampling_parameters(text: str | None, lora_name: str) -> str:
             "sampling_parameters refused: " + "; ".join(problems)
             + f" (accepted keys: {', '.join(sorted(SAMPLING_KEYS))})",
         )
-    return json.dumps({**DEFAULT_SAMPLING, **given, "lora_name": lora_name})
+    return json.dumps({**DEFAULT_SAMPLING, **given, "lora_name": adapter_id})
 
 
 def _type_names(types: tuple[type, ...]) -> str:
