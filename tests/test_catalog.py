@@ -283,9 +283,14 @@ async def test_bindings_survive_a_sidecar_restart_without_a_load(world: World) -
     await serving(world)
     name = await world.stage("a1")
     loads = world.control.loads()
+    before = (world.tmp_path / "cache" / "multi_lora.json").stat()
 
     restarted = await world.start()  # the same cache, Triton still serving
     await restarted.sync()
+
+    # Untouched: Triton reloads a model whose catalog file's ctime moved.
+    after = (world.tmp_path / "cache" / "multi_lora.json").stat()
+    assert (after.st_ino, after.st_ctime_ns) == (before.st_ino, before.st_ctime_ns)
 
     assert restarted.status()["triton"]["state"] == "serving"
     assert world.control.loads() == loads  # the catalog file is the one Triton loaded
