@@ -334,7 +334,9 @@ class Catalog:
                                          "name was bound to it; stage it again",
                                          adapter_id=adapter_id)
                 self._on_reads(self._reads.drain())
-                if not record.free_spares():
+                # Spares off by configuration: a generation journaled before the restart that
+                # turned them off keeps its names, but binds none.
+                if not record.free_spares() or not self._spares_on:
                     current = self._current()
                     # A generation being loaded has fresh spares: no second one is needed.
                     if (self._tracker.state is not EngineState.LOADING

@@ -457,6 +457,25 @@ async def test_with_spare_names_zero_each_new_adapter_costs_a_reload(world: Worl
     assert world.rendered() == {"a1": "/lora-cache/catalog/g2/names/a1"}
 
 
+async def test_a_restart_with_spare_names_zero_binds_no_spare_left_from_before(
+    world: World,
+) -> None:
+    world.add_adapter("a1")
+    world.add_adapter("a2")
+    await serving(world)
+    name = await world.stage("a1")
+
+    restarted = await world.start(spare_names=0)
+    await restarted.sync()
+
+    assert await world.stage("a1") == name  # what was bound stays served
+    with pytest.raises(CatalogPending, match="spare names are off"):
+        await world.stage("a2")
+    await restarted.sync()
+    assert await world.stage("a2") == "a2"
+    assert [n for n in world.rendered() if n.startswith("_spare-")] == []
+
+
 async def test_low_spares_wait_for_the_quiet_window_but_an_empty_catalog_does_not(
     world: World,
 ) -> None:
