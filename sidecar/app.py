@@ -98,8 +98,8 @@ class Sidecar:
             on_source_result=self._note_source_result,
         )
         self.catalog = Catalog(settings, self.store, self.rules, self.metrics)
-        self.store.before_evict = self.catalog.before_evict
-        self.store.after_forget = self.catalog.after_forget
+        self.store.before_evict = self.catalog.names.before_evict
+        self.store.after_forget = self.catalog.names.after_forget
         self.watcher = Watcher(self.store, self.rules, self.metrics, on_trash=self.purge_trash)
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None

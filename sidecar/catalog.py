@@ -4,61 +4,33 @@ a reload), when a new generation is worth a reload (compaction), and the reloads
 
 A generation lists every adapter validated and on disk when it is rendered, by its own name,
 plus `--spare-names` spare names. A spare points at a no-op adapter until the first stage of an
-adapter the generation does not list binds it (once, never re-pointed to other bytes).
+adapter the generation does not list binds it (once, never re-pointed to other bytes). What
+each name points at is kept by `names.py`; what Triton's model is doing, by `engine_state.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import random
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from pathlib import Path
 from typing import Any, Protocol
 
 from .config import Settings, TritonReload
 from .engine_state import EngineState, EngineTracker, LoadKind, LoadOutcome, Probe, Transition
 from .errors import CatalogPending, CatalogReloading
-from .generations import (
-    CATALOG_DIR,
-    NOOP_DIR,
-    RETIRED,
-    GenerationRecord,
-    Journal,
-    NoopAdapter,
-    adapter_target,
-    bind_link,
-    create_generation,
-    generation_dir,
-    keep_bound_files,
-    kept_bytes,
-    kept_target,
-    link_target,
-    noop_target,
-    point_link,
-    read_journal,
-    remove_generation,
-    remove_strays,
-    render_text,
-    spare_name,
-    write_atomically,
-    write_journal,
-)
+from .generations import GenerationRecord, kept_bytes
 from .logs import fields
 from .metrics import Metrics
-from .read_watch import Key, ReadWatch
+from .names import Names
 from .store import AdapterStore, iso_utc
 from .triton_control import ModelControl, ReloadFailed, TritonControl
-from .validate import Rules, validate_adapter
+from .validate import Rules
 
 log = logging.getLogger(__name__)
 
-CATALOG_FILE = "multi_lora.json"
 RETRY_AFTER_FAILURE_S = 5.0
 PROBE_INTERVAL_S = 2.0
 
@@ -101,10 +73,10 @@ class Catalog:
     ) -> None:
         self._settings = settings
         self._store = store
-        self._rules = rules
         self._metrics = metrics
-        self._root = settings.cache_root
-        self.path = settings.cache_root / CATALOG_FILE
+        self.names = Names(settings, store, rules, wall)
+        self.names.on_change = self._names_changed
+        self.path = self.names.path
         self._model = settings.triton_model
         self._control: ModelControl | None = None
         if settings.triton_url is not None:
@@ -116,193 +88,34 @@ class Catalog:
         self._clock = clock
         self._wall = wall
         self._tracker = EngineTracker(clock=clock)
-        self._journal = Journal()
-        self._noop: NoopAdapter | None = None
-        self._spares_off: str | None = None  # why spare names are off, when they are
         self._plan: Plan | None = None
         self._window_done: float | None = None  # monotonic start of the window last compacted
         self._last_reload_at: float | None = None  # unix, for status
         self._error: str | None = None  # why no catalog could be rendered
-        self._orphans: dict[int, float] = {}  # generation folders no journal names -> delete at
         self._lock = asyncio.Lock()  # one render-and-load at a time (held across a load)
-        self._journal_lock = asyncio.Lock()  # journal changes: short, never across a load
         self._wake = asyncio.Event()
-        self._journal_dirty = False  # changed on the loop by a hook; saved by the next step
-        self._reads = ReadWatch()
 
     # ---- start ---------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Prepare the no-op adapter, carry on with the journaled generation if multi_lora.json
         is still its rendering, and render a first generation otherwise."""
-        self._noop, self._spares_off = await asyncio.to_thread(self._prepare_noop)
-        if self._spares_off is not None:
+        await asyncio.to_thread(self.names.prepare)
+        if self.names.spares_off is not None:
             log.warning("catalog: spare names are off: %s; every adapter a loaded catalog does "
-                        "not list costs a reload of %s", self._spares_off, self._model)
-        if self._noop is not None and not self._reads.available:
-            log.warning("catalog: %s: a direct call to %s with an unbound spare name could make "
-                        "the adapter bound to it later answer like the base model",
-                        self._reads.problem, self._model)
+                        "not list costs a reload of %s", self.names.spares_off, self._model)
         try:
-            await asyncio.to_thread(self._recover)
+            await asyncio.to_thread(self.names.recover)
         except OSError as exc:
-            self._error = f"cannot read or tidy {self._root / CATALOG_DIR}: {exc.strerror or exc}"
+            self._error = f"cannot read or tidy the catalog's folder: {exc.strerror or exc}"
             log.warning("catalog: %s", self._error)
-        for record in self._journal.generations.values():
-            self._watch_unbound(record)
-        if self._reads.fd is not None:
-            asyncio.get_running_loop().add_reader(self._reads.fd,
-                                                  self._reads.on_readable(self._on_reads))
-        if self._journal.current is None:
+        self.names.watch()
+        if self.names.current() is None:
             await self._render_safely(None)
         else:
             self._update_gauges()
 
-    def _prepare_noop(self) -> tuple[NoopAdapter | None, str | None]:
-        """The no-op adapter (None without the base model's shapes), and why spares are off."""
-        shapes = self._rules.shapes
-        if shapes is None:
-            return None, ("spare names need --base-model-config (the base model's config.json): "
-                          "the no-op adapter an unbound spare points at must fit the model")
-        try:
-            noop = NoopAdapter.for_model(shapes, self._rules.allowed_target_modules)
-        except ValueError as exc:
-            return None, str(exc)
-        # Checked by the same gate as every adapter, in a folder of its own.
-        probe = self._root / CATALOG_DIR / f".noop-check.{os.getpid()}"
-        try:
-            shutil.rmtree(probe, ignore_errors=True)
-            noop.write(probe)
-            problems = validate_adapter(probe, self._rules)
-        except OSError as exc:
-            return None, f"cannot write the no-op adapter: {exc.strerror or exc}"
-        finally:
-            shutil.rmtree(probe, ignore_errors=True)
-        if problems:
-            return None, "the no-op adapter fails validation: " + "; ".join(
-                f"{p.code} {p.message}" for p in problems)
-        if self._settings.spare_names == 0:
-            return noop, "--spare-names is 0"
-        return noop, None
-
-    @property
-    def _spares_on(self) -> bool:
-        return self._noop is not None and self._spares_off is None
-
-    def _recover(self) -> None:
-        """Blocking. Take the journal if multi_lora.json is still its current generation;
-        tidy every binding whose link a crash left behind. Folders of generations no journal
-        names are deleted after the retire grace (an engine may still read them)."""
-        (self._root / CATALOG_DIR).mkdir(parents=True, exist_ok=True)
-        try:
-            journal = read_journal(self._root)
-        except ValueError as exc:
-            log.warning("catalog: the journal cannot be used (%s); a new generation is "
-                        "rendered", exc)
-            journal = Journal()
-        current = journal.generations.get(journal.current) if journal.current else None
-        if current is not None:
-            try:
-                on_disk = self.path.read_text(encoding="utf-8")
-            except OSError:
-                on_disk = None
-            if on_disk != render_text(current, self._settings.triton_root) or not (
-                generation_dir(self._root, current.number).is_dir()
-            ):
-                log.warning("catalog: %s is not generation %d of the journal; a new "
-                            "generation is rendered", self.path.name, current.number)
-                journal = Journal(generations={})
-        for record in journal.generations.values():
-            self._repair_links(record)
-        self._journal = journal
-        grace_at = self._wall() + self._settings.lease_ttl_s
-        for entry in (self._root / CATALOG_DIR).iterdir():
-            if (entry.name.startswith("g") and entry.name[1:].isdigit()
-                    and int(entry.name[1:]) not in journal.generations):
-                self._orphans[int(entry.name[1:])] = grace_at
-        remove_strays(self._root, keep=[*journal.generations, *self._orphans])
-        if journal.generations:
-            write_journal(self._root, journal)  # with the repairs
-        if journal.current is not None:
-            log.info("catalog: carrying on with generation %d (%d adapters, %d bound spare "
-                     "names)", journal.current, len(journal.generations[journal.current]
-                                                    .adapter_ids),
-                     len(journal.generations[journal.current].bound))
-
-    def _repair_links(self, record: GenerationRecord) -> None:
-        """Make every name's link agree with the journal after a crash. A binding journaled
-        but never linked, or linked but never journaled, was never handed out: that spare goes
-        back to its no-op, burnt. A name whose adapter left adapters/ unkept goes to a no-op
-        (never dangling: that would kill the engine) and is never handed out again."""
-        adapters = self._store.adapters_dir
-        noops = generation_dir(self._root, record.number) / NOOP_DIR
-        retired_noop = noops / RETIRED
-        if self._noop is not None and noops.is_dir():
-            # A no-op removed behind the sidecar's back is written again: a name pointing at
-            # it must resolve. (The bytes are the same: nothing is re-pointed.)
-            for name in (RETIRED, *record.spares):
-                if not (noops / name / "adapter_model.safetensors").is_file():
-                    shutil.rmtree(noops / name, ignore_errors=True)
-                    self._noop.write(noops / name)
-                    log.warning("catalog: the no-op adapter of %s in generation %d was gone; "
-                                "written again", name, record.number)
-        for adapter_id in record.adapter_ids:
-            target = link_target(self._root, record.number, adapter_id)
-            if target == noop_target(RETIRED):
-                record.retire_own(adapter_id)
-            elif not (adapters / adapter_id).is_dir() and retired_noop.is_dir():
-                point_link(self._root, record.number, adapter_id, noop_target(RETIRED))
-                record.retire_own(adapter_id)
-        for spare in record.spares:
-            target = link_target(self._root, record.number, spare)
-            bound_id = record.bound.get(spare)
-            if spare in record.burnt:
-                if target not in (noop_target(spare), kept_target(spare)):
-                    self._burn(record, spare, "it is burnt")
-            elif bound_id is None:
-                if target != noop_target(spare):
-                    self._burn(record, spare, f"its link pointed at {target}")
-            elif target == kept_target(spare):
-                if (generation_dir(self._root, record.number) / "kept" / spare).is_dir():
-                    record.kept.add(spare)
-                else:
-                    self._burn(record, spare, "its kept files are gone")
-            elif target != adapter_target(bound_id):
-                self._burn(record, spare, "the binding was journaled but never linked")
-            elif not (adapters / bound_id).is_dir():
-                if (generation_dir(self._root, record.number) / "kept" / spare).is_dir():
-                    point_link(self._root, record.number, spare, kept_target(spare))
-                    record.kept.add(spare)
-                else:
-                    self._burn(record, spare, f"{bound_id} left the disk and was not kept")
-
-    def _burn(self, record: GenerationRecord, spare: str, why: str) -> None:
-        """Point a spare at its no-op and never hand it out again (a few system calls). The
-        journal is saved by the next step (a caller on the loop sets `_wake`)."""
-        point_link(self._root, record.number, spare, noop_target(spare))
-        self._reads.unwatch((record.number, spare))
-        record.retire_name(spare)
-        self._journal_dirty = True
-        log.warning("catalog: spare name %s of generation %d is never handed out again (%s)",
-                    spare, record.number, why)
-
-    def _watch_unbound(self, record: GenerationRecord) -> None:
-        for spare in record.free_spares():
-            folder = generation_dir(self._root, record.number) / NOOP_DIR / spare
-            self._reads.watch((record.number, spare), folder)
-
-    def _on_reads(self, read: set[Key]) -> None:
-        """Spares whose no-op someone opened: the engine may cache it under that name."""
-        for number, spare in sorted(read):
-            record = self._journal.generations.get(number)
-            if record is None or spare in record.burnt:
-                continue
-            if spare in record.bound:
-                why = f"its no-op was read while it was being bound to {record.bound[spare]}"
-            else:
-                why = "its no-op adapter was read before it was bound (a direct call to " \
-                      f"{self._model}?)"
-            self._burn(record, spare, why)
+    def _names_changed(self) -> None:
         self._update_gauges()
         self._wake.set()
 
@@ -318,10 +131,10 @@ class Catalog:
         return record.by_adapter.get(adapter_id)
 
     async def bind(self, adapter_id: str) -> str:
-        """Bind an unused spare of the serving generation to a staged adapter; the journal is
-        written before the link, the link before the name is handed out. CatalogPending when
-        no spare is left (a compaction is planned)."""
-        async with self._journal_lock:
+        """Bind an unused spare of the serving generation to a staged adapter. CatalogPending
+        when none is left (a compaction is planned)."""
+        names = self.names
+        async with names.lock:
             while True:
                 record = self._naming_generation()  # again: it may have changed meanwhile
                 if adapter_id in record.own:
@@ -333,11 +146,11 @@ class Catalog:
                     raise CatalogPending(f"adapter {adapter_id} left the disk before a spare "
                                          "name was bound to it; stage it again",
                                          adapter_id=adapter_id)
-                self._on_reads(self._reads.drain())
+                names.on_reads(names.reads.drain())
                 # Spares off by configuration: a generation journaled before the restart that
                 # turned them off keeps its names, but binds none.
-                if not record.free_spares() or not self._spares_on:
-                    current = self._current()
+                if not record.free_spares() or not names.spares_on:
+                    current = names.current()
                     # A generation being loaded has fresh spares: no second one is needed.
                     if (self._tracker.state is not EngineState.LOADING
                             and (current is None or adapter_id not in current.own)):
@@ -346,7 +159,7 @@ class Catalog:
                         return adapter_id  # the sidecar cannot know what Triton loaded
                     raise CatalogPending(self._no_spare_message(adapter_id, record),
                                          adapter_id=adapter_id)
-                spare = await self._bind_one(record, adapter_id)
+                spare = await names.bind(record, adapter_id)
                 if spare is not None:
                     break
         self._metrics.catalog_bindings.inc()
@@ -359,42 +172,16 @@ class Catalog:
         self._check_spares(record)
         return spare
 
-    async def _bind_one(self, record: GenerationRecord, adapter_id: str) -> str | None:
-        """One attempt: the spare bound, or None when its no-op turned out read meanwhile."""
-        # Random: which spare is bound next cannot be guessed by a direct caller.
-        spare = random.choice(record.free_spares())
-        record.bind(spare, adapter_id)
-        try:
-            await asyncio.to_thread(write_journal, self._root, self._journal)
-            await asyncio.to_thread(bind_link, self._root, record.number, spare, adapter_id)
-        except OSError as exc:
-            record.unbind_failed(spare)
-            raise CatalogPending(f"could not bind a spare name to adapter {adapter_id}: "
-                                 f"{exc.strerror or exc}", adapter_id=adapter_id) from exc
-        # Every open of the no-op queued before the link moved is in the queue now.
-        self._on_reads(self._reads.drain())
-        if spare in record.burnt:
-            return None
-        self._reads.unwatch((record.number, spare))
-        if self._store.get(adapter_id) is None:
-            # Evicted by force while the link was being made: never hand out a name that
-            # could dangle.
-            self._burn(record, spare, f"{adapter_id} was evicted while it was being bound")
-            raise CatalogPending(f"adapter {adapter_id} left the disk while a spare name was "
-                                 "bound to it; stage it again", adapter_id=adapter_id)
-        record.publish(spare)
-        return spare
-
     def _naming_generation(self) -> GenerationRecord:
         """The generation whose names requests use now: the one the serving engine loaded,
         or without reloads the one rendered."""
         if not self._reloads:
-            number = self._journal.current
+            number = self.names.journal.current
         else:
             number = self._tracker.serving()
             if number is None:
                 raise self._not_serving()
-        record = self._journal.generations.get(number) if number is not None else None
+        record = self.names.journal.generations.get(number) if number is not None else None
         if record is None:
             raise CatalogPending(f"no catalog is rendered yet ({self._error or 'starting'})")
         return record
@@ -421,12 +208,12 @@ class Catalog:
         return CatalogPending(f"no engine serves a catalog yet: {why}; retry in a moment")
 
     def _no_spare_message(self, adapter_id: str, record: GenerationRecord) -> str:
-        current = self._current()
+        current = self.names.current()
         if current is not None and current is not record and adapter_id in current.own:
             return (f"adapter {adapter_id} is in catalog generation {current.number}, but "
                     f"Triton serves generation {record.number}; {self._reload_wait()}")
-        spares = ("no spare name is left" if self._spares_on
-                  else f"spare names are off ({self._spares_off})")
+        spares = ("no spare name is left" if self.names.spares_on
+                  else f"spare names are off ({self.names.spares_off})")
         return (f"adapter {adapter_id} is on disk, but the catalog Triton serves (generation "
                 f"{record.number}) does not list it and {spares}; a new generation listing it "
                 f"is loaded {self._when_compaction()}; retry with backoff")
@@ -447,59 +234,6 @@ class Catalog:
         if tracker.last_load_failed:
             return f"the last reload failed ({tracker.last_error}); retrying in {due:.0f}s"
         return f"the reload waits {due:.0f}s for --triton-reload-min-interval"
-
-    # ---- eviction hooks (called by the store, on the loop) ---------------------------------
-
-    def before_evict(self, adapter_id: str, folder: Path) -> None:
-        """An adapter's folder is about to leave adapters/. Where a generation lists it by its
-        own name, that name points at a no-op from now on and is never handed out again (a
-        re-stage binds a spare); where a spare is bound to it, the spare keeps hard links to
-        its files until the generation retires. No catalogued name ever dangles."""
-        for record in list(self._journal.generations.values()):
-            if adapter_id in record.own:
-                self._retire_own(record, adapter_id, "it left the disk")
-            spare = record.by_adapter.get(adapter_id)
-            if spare is None or spare in record.kept:
-                continue
-            try:
-                keep_bound_files(self._root, record.number, spare, folder)
-            except OSError as exc:
-                self._burn(record, spare, f"{adapter_id}'s files could not be kept: "
-                           f"{exc.strerror or exc}")
-                continue
-            record.kept.add(spare)
-            log.info("catalog: spare name %s keeps the files of evicted adapter %s until "
-                     "generation %d retires", spare, adapter_id, record.number)
-        self._wake.set()
-
-    def after_forget(self, adapter_id: str) -> None:
-        """An adapter's folder vanished or changed outside the sidecar: its names that still
-        lead to adapters/<id> point at a no-op and are never handed out again."""
-        for record in list(self._journal.generations.values()):
-            if adapter_id in record.own:
-                self._retire_own(record, adapter_id, "it was removed or changed outside the "
-                                 "sidecar")
-            spare = record.by_adapter.get(adapter_id)
-            if spare is not None and spare not in record.kept:
-                self._burn(record, spare, f"{adapter_id} was removed or changed outside the "
-                           "sidecar")
-        self._wake.set()
-
-    def _retire_own(self, record: GenerationRecord, adapter_id: str, why: str) -> None:
-        if not (generation_dir(self._root, record.number) / NOOP_DIR / RETIRED).is_dir():
-            return  # no no-op without --base-model-config: the name dangles, as it always did
-        try:
-            point_link(self._root, record.number, adapter_id, noop_target(RETIRED))
-        except OSError as exc:
-            log.warning("catalog: cannot point %s of generation %d at a no-op: %s", adapter_id,
-                        record.number, exc.strerror or exc)
-            return
-        record.retire_own(adapter_id)
-        self._journal_dirty = True
-        self._wake.set()
-        log.info("catalog: the name %s of generation %d answers like the base model from now "
-                 "on (%s); the adapter's next stage binds a spare name", adapter_id,
-                 record.number, why)
 
     # ---- compaction ---------------------------------------------------------------------
 
@@ -529,7 +263,7 @@ class Catalog:
 
     def _check_spares(self, record: GenerationRecord) -> None:
         low = self._settings.compact_below_spares
-        if not self._spares_on or len(record.free_spares()) > low:
+        if not self.names.spares_on or len(record.free_spares()) > low:
             return
         window = self._settings.compaction_window
         not_before = None
@@ -552,7 +286,7 @@ class Catalog:
     def _dirty(self) -> bool:
         """Whether a new generation would differ: a spare bound, or the adapters on disk are
         not the ones listed by their own names."""
-        current = self._current()
+        current = self.names.current()
         if current is None:
             return True
         on_disk = {a.adapter_id for a in self._store.adapters()}
@@ -608,7 +342,7 @@ class Catalog:
 
     def _next_due_in_s(self) -> float | None:
         candidates = [self._compaction_in_s(), self._reload_in_s()]
-        retire = [at - self._wall() for at in self._retire_times()]
+        retire = [at - self._wall() for at in self.names.retire_times()]
         window = self._settings.compaction_window
         if window is not None:
             candidates.append(window.seconds_until_start(self._wall()))
@@ -647,19 +381,21 @@ class Catalog:
         if self._tracker.state is not EngineState.LOADING:
             await self.probe()
         async with self._lock:
-            if self._journal_dirty:
-                self._journal_dirty = False
-                async with self._journal_lock:
-                    await self._save_journal()
+            if self.names.dirty:
+                async with self.names.lock:
+                    await self.names.save()
             self._check_window()
-            if self._journal.current is None:
+            if self.names.current() is None:
                 await self._render_safely(None)
             if self._reloads:
                 await self._reload_if_due()
             elif self._compaction_in_s() == 0.0:
                 plan, self._plan = self._plan, None
                 await self._render_safely(plan.reason if plan else None)
-            await self._retire_due()
+            journal = self.names.journal
+            live = {journal.current} if not self._reloads else {journal.current, journal.loaded}
+            await self.names.retire({n for n in live if n is not None})
+            self._update_gauges()
 
     def _reload_in_s(self) -> float | None:
         """Seconds until the pending reload of the current generation may start (a failed one
@@ -667,7 +403,8 @@ class Catalog:
         if not self._reloads or self._tracker.state not in (EngineState.SERVING,
                                                              EngineState.SUSPECT):
             return None
-        if self._journal.current is None or self._journal.current == self._tracker.loaded:
+        current = self.names.journal.current
+        if current is None or current == self._tracker.loaded:
             return None
         return max(self._rate_limit_until() - self._clock(), 0.0)
 
@@ -675,7 +412,7 @@ class Catalog:
         tracker = self._tracker
         state = tracker.state
         if state is EngineState.UNCONFIRMED:
-            journal = self._journal
+            journal = self.names.journal
             if journal.current is not None and journal.loaded == journal.current:
                 tracker.confirm(journal.current)
                 self._update_gauges()
@@ -687,12 +424,12 @@ class Catalog:
         if state is EngineState.ABSENT:
             if self._last_load_too_recent():
                 return
-            current = self._current()
+            current = self.names.current()
             if current is not None:
                 # The engine died or Triton restarted: a name whose link was tampered with
                 # behind the sidecar's back must not kill the fresh engine too.
-                async with self._journal_lock:
-                    self._repair_links(current)
+                async with self.names.lock:
+                    self.names.repair(current)
             if self._plan is not None or self._names_gone_path():
                 reason = self._plan.reason if self._plan else CompactionReason.ENGINE_LOST
                 self._plan = None
@@ -721,16 +458,16 @@ class Catalog:
     def _names_gone_path(self) -> bool:
         """Whether the current generation lists an adapter by its own name that is no longer on
         disk: a name a direct caller could kill a fresh engine with."""
-        current = self._current()
+        current = self.names.current()
         return current is not None and any(
             self._store.get(adapter_id) is None for adapter_id in current.own)
 
     async def _load(self, kind: LoadKind) -> LoadOutcome:
         assert self._control is not None
-        number = self._journal.current
-        if number is None:
+        record = self.names.current()
+        if record is None:
             return LoadOutcome.REFUSED
-        record = self._journal.generations[number]
+        number = record.number
         self._tracker.start_load(number, kind)
         self._update_gauges()
         started = time.monotonic()
@@ -753,8 +490,9 @@ class Catalog:
         self._tracker.load_done(outcome, error)
         if outcome is LoadOutcome.OK:
             self._last_reload_at = self._wall()
-            self._journal.loaded = number
-            await self._save_journal()
+            async with self.names.lock:
+                self.names.journal.loaded = number
+                await self.names.save()
             if self._plan is not None and self._plan.reason in (CompactionReason.EXHAUSTED,
                                                                 CompactionReason.SPARES_LOW):
                 self._plan = None  # the generation now serving has fresh spares
@@ -785,85 +523,27 @@ class Catalog:
 
     async def _render(self, reason: CompactionReason | None) -> None:
         """A new generation: every adapter on disk by its own name, and fresh spare names."""
-        number = await asyncio.to_thread(self._journal.next_number, self._root)
-        adapter_ids = frozenset(a.adapter_id for a in self._store.adapters())
-        spares = tuple(spare_name(number, i) for i in range(1, self._settings.spare_names + 1)
-                       ) if self._spares_on else ()
-        record = GenerationRecord(number, adapter_ids, spares, self._wall())
-        await asyncio.to_thread(create_generation, self._root, record, self._noop)
-        self._watch_unbound(record)
-        async with self._journal_lock:
-            self._journal.generations[number] = record
-            self._journal.current = number
-            await self._save_journal()
-        text = render_text(record, self._settings.triton_root)
-        await asyncio.to_thread(write_atomically, self.path, text.encode("utf-8"))
+        record = await self.names.render(a.adapter_id for a in self._store.adapters())
         if reason is not None:
             self._metrics.catalog_compactions.labels(reason=reason.value).inc()
         self._update_gauges()
-        log.info("catalog: generation %d lists %d adapters and %d spare names (%s)", number,
-                 len(adapter_ids), len(spares),
+        log.info("catalog: generation %d lists %d adapters and %d spare names (%s)",
+                 record.number, len(record.adapter_ids), len(record.spares),
                  f"compaction: {reason.value}" if reason else "first of this cache",
-                 extra=fields(event="rendered", generation=number, adapters=len(adapter_ids),
-                              spares=len(spares)))
-
-    async def _save_journal(self) -> None:
-        await asyncio.to_thread(write_journal, self._root, self._journal)
-
-    # ---- retiring old generations ----------------------------------------------------------
-
-    def _retire_times(self) -> list[float]:
-        times = [r.retire_at for r in self._journal.generations.values() if r.retire_at]
-        return [*times, *self._orphans.values()]
-
-    async def _retire_due(self) -> None:
-        """Mark generations neither rendered nor loaded for deletion after the grace (an old
-        engine finishing its requests may still read them); delete those past it."""
-        journal = self._journal
-        now = self._wall()
-        changed = False
-        for record in journal.generations.values():
-            live = record.number in (journal.current, journal.loaded)
-            if not self._reloads and record.number != journal.current:
-                live = False
-            if live:
-                if record.retire_at is not None:
-                    record.retire_at, changed = None, True
-            elif record.retire_at is None:
-                record.retire_at, changed = now + self._settings.lease_ttl_s, True
-        gone = [r.number for r in journal.generations.values()
-                if r.retire_at is not None and r.retire_at <= now]
-        orphans = [n for n, at in self._orphans.items() if at <= now]
-        if not (gone or orphans or changed):
-            return
-        async with self._journal_lock:
-            for number in gone:
-                for spare in journal.generations[number].spares:
-                    self._reads.unwatch((number, spare))
-                del journal.generations[number]
-            await self._save_journal()
-        for number in [*gone, *orphans]:
-            self._orphans.pop(number, None)
-            await asyncio.to_thread(remove_generation, self._root, number)
-            log.info("catalog: generation %d retired (its folder is deleted)", number,
-                     extra=fields(event="retired", generation=number))
-        self._update_gauges()
+                 extra=fields(event="rendered", generation=record.number,
+                              adapters=len(record.adapter_ids), spares=len(record.spares)))
 
     # ---- status ---------------------------------------------------------------------------
-
-    def _current(self) -> GenerationRecord | None:
-        number = self._journal.current
-        return self._journal.generations.get(number) if number is not None else None
 
     def problem(self) -> str | None:
         """Why the sidecar is not ready on the catalog's account: Triton's vLLM model cannot
         load before multi_lora.json exists."""
-        if self._journal.current is not None:
+        if self.names.current() is not None:
             return None
         return f"catalog: {self.path.name} not rendered yet ({self._error or 'starting'})"
 
     def _update_gauges(self) -> None:
-        current = self._current()
+        current = self.names.current()
         naming = self._naming_or_none()
         self._metrics.catalog_adapters.set(len(current.adapter_ids) if current else 0)
         self._metrics.catalog_generation.set(current.number if current else 0)
@@ -893,7 +573,7 @@ class Catalog:
         }
 
     def status(self) -> dict[str, Any]:
-        current = self._current()
+        current = self.names.current()
         naming = self._naming_or_none()
         window = self._settings.compaction_window
         ids = sorted(current.adapter_ids) if current else []
@@ -909,9 +589,9 @@ class Catalog:
             "error": self._error,
             "retired": sorted(naming.retired) if naming else [],
             "spares": {
-                "enabled": self._spares_on,
-                "reads_watched": self._reads.available,
-                "off_because": self._spares_off,
+                "enabled": self.names.spares_on,
+                "reads_watched": self.names.reads.available,
+                "off_because": self.names.spares_off,
                 "generation": naming.number if naming else None,
                 "total": len(naming.spares) if naming else 0,
                 "left": len(naming.free_spares()) if naming else 0,
@@ -925,9 +605,9 @@ class Catalog:
             "generations": [
                 {"generation": r.number, "adapters": len(r.adapter_ids),
                  "spares": len(r.spares), "bound": len(r.bound),
-                 "kept_bytes": kept_bytes(self._root, r) if r.kept else 0,
+                 "kept_bytes": kept_bytes(self.names.root, r) if r.kept else 0,
                  "retire_at": iso_utc(r.retire_at) if r.retire_at else None}
-                for r in sorted(self._journal.generations.values(), key=lambda r: r.number)
+                for r in sorted(self.names.journal.generations.values(), key=lambda r: r.number)
             ],
         }
         triton: dict[str, Any] = {
@@ -942,8 +622,8 @@ class Catalog:
                 "loaded_generation": tracker.loaded,
                 "serving_generation": tracker.serving(),
                 "reloading": tracker.state is EngineState.LOADING,
-                "pending": (self._journal.current if self._journal.current != tracker.loaded
-                            else None),
+                "pending": (self.names.journal.current
+                            if self.names.journal.current != tracker.loaded else None),
                 "next_reload_in_s": self._reload_in_s(),
                 "last_reload_at": iso_utc(self._last_reload_at) if self._last_reload_at
                 else None,
@@ -953,9 +633,7 @@ class Catalog:
         return body
 
     async def close(self) -> None:
-        if self._reads.fd is not None:
-            asyncio.get_running_loop().remove_reader(self._reads.fd)
-        self._reads.close()
+        self.names.close()
         if self._control is not None:
             await self._control.close()
 

@@ -127,8 +127,8 @@ class World:
                              self.metrics, refusal_ttl_s=0, on_trash=lambda: None)
         catalog = Catalog(settings, store, rules, self.metrics, control=self.control,
                           clock=self.clock, wall=self.wall)
-        store.before_evict = catalog.before_evict
-        store.after_forget = catalog.after_forget
+        store.before_evict = catalog.names.before_evict
+        store.after_forget = catalog.names.after_forget
         await catalog.start()
         self.store, self.catalog = store, catalog
         return catalog
