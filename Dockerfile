@@ -25,6 +25,9 @@ RUN groupadd --system --gid 10001 sidecar \
         --shell /usr/sbin/nologin sidecar \
     && install -d -o 10001 -g 10001 /var/lib/lora-sidecar /var/lib/lora-sidecar/cache
 COPY --from=build /opt/venv /opt/venv
+# Triton's model repository (the router and vllm_model's config), for --seed-model-repository:
+# on Kubernetes the sidecar copies it onto the cache volume Triton loads from (deploy/k8s).
+COPY triton_repo /opt/lora-sidecar/triton_repo
 ENV PATH=/opt/venv/bin:$PATH \
     LORA_SIDECAR_CACHE_ROOT=/var/lib/lora-sidecar/cache
 WORKDIR /var/lib/lora-sidecar

@@ -22,7 +22,7 @@ $(VENV)/.test-deps: $(BIN)/python pyproject.toml
 
 ## run: the sidecar on its embedded default registry (./registry, with two example adapters)
 run: $(VENV)/.run-deps
-	$(BIN)/lora-sidecar examples ./registry
+	$(BIN)/lora-sidecar examples ./registry --skip-if-not-empty
 	exec $(BIN)/lora-sidecar serve
 
 ## test: the whole test suite, system packages (Prometheus, docker-compose) and the real
@@ -39,7 +39,7 @@ engine-env:
 	PYTHON=$(PYTHON) ./scripts/engine-env.sh
 
 system-deps:
-	./scripts/install-system-deps.sh
+	VENV_BIN=$(abspath $(BIN)) ./scripts/install-system-deps.sh
 
 lint: $(VENV)/.test-deps
 	$(BIN)/ruff check sidecar tests triton_repo compose benchmarks

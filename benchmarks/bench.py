@@ -34,6 +34,7 @@ from .clients import (
     s5cmd,
     tuned_boto3,
 )
+from .options import parse_args
 from .servers import (
     S3Server,
     Supervisor,
@@ -138,15 +139,29 @@ def alternatives(ctx: Context, server: S3Server) -> list[Stager]:
     ]
 
 
-def start_sidecar(ctx: Context, server: S3Server) -> SidecarStager:
+def start_sidecar(ctx: Context, server: S3Server, source: Path | None = None,
+                  label: str | None = None) -> SidecarStager:
+    """The sidecar of this checkout, of `--sidecar-src`, or of `source` (a compared one)."""
     env = dict(ctx.env)
-    if ctx.args.sidecar_src is None:
+    source = source or ctx.args.sidecar_src
+    if source is None:
         command = [str(REPO / ".venv" / "bin" / "lora-sidecar")]
     else:  # another checkout's package, run with this venv's dependencies
         command = [sys.executable, "-P", "-m", "sidecar"]  # -P: not this folder's copy
-        env["PYTHONPATH"] = str(ctx.args.sidecar_src.resolve())
-    return SidecarStager(ctx.sup, command, server, ctx.dest / "sidecar-cache", env,
-                         tuple(ctx.args.sidecar_arg))
+        env["PYTHONPATH"] = str(source.resolve())
+    name = "sidecar" if label is None else f"sidecar ({label})"
+    cache = ctx.dest / ("sidecar-cache" if label is None else f"sidecar-cache-{label}")
+    return SidecarStager(ctx.sup, command, server, cache, env, tuple(ctx.args.sidecar_arg),
+                         name=name)
+
+
+def compared_sidecars(ctx: Context, server: S3Server) -> list[SidecarStager]:
+    """One sidecar per `--compare LABEL=PATH`, staged in the same rounds as this one."""
+    stagers = []
+    for spec in ctx.args.compare:
+        label, _, path = spec.partition("=")
+        stagers.append(start_sidecar(ctx, server, Path(path), label))
+    return stagers
 
 
 def cold_phase(
@@ -158,11 +173,14 @@ def cold_phase(
     if ctx.args.no_sidecar:
         run_cold(ctx, phase, alternatives(ctx, server), results, runs)
         return
-    sidecar = start_sidecar(ctx, server)
+    sidecars = [start_sidecar(ctx, server)]
     try:
-        run_cold(ctx, phase, [sidecar, *alternatives(ctx, server)], results, runs)
+        sidecars += compared_sidecars(ctx, server)
+        others = [] if ctx.args.sidecars_only else alternatives(ctx, server)
+        run_cold(ctx, phase, [*sidecars, *others], results, runs)
     finally:
-        sidecar.close()
+        for sidecar in sidecars:
+            sidecar.close()
 
 
 def read_kib(path: Path, field_name: str) -> int:
@@ -299,44 +317,6 @@ def terminated_as_exit() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="benchmarks/run.sh", description=__doc__)
-    parser.add_argument("--quick", action="store_true",
-                        help="27 and 84 MB adapters, one run, 3 s of load: for iterating")
-    parser.add_argument("--runs", type=int, default=None, help="timed runs per cell (3)")
-    parser.add_argument("--moto-runs", type=int, default=1,
-                        help="timed runs per cell against moto (1: its whole-object copy per "
-                        "range makes a 671 MB stage take most of a minute)")
-    parser.add_argument("--hit-runs", type=int, default=None,
-                        help="interleaved load runs per hit-path cell (3)")
-    parser.add_argument("--phases", default="loopback,moto,shaped,memory,hit",
-                        help="comma-separated subset of loopback,moto,shaped,memory,hit")
-    parser.add_argument("--only", default="",
-                        help="comma-separated adapter ids to stage (default: every one)")
-    parser.add_argument("--hit-seconds", type=float, default=None, help="load per cell (10)")
-    parser.add_argument("--dest", type=Path, default=Path("/dev/shm/lsbench"),
-                        help="where every client writes (default tmpfs: this machine's disk "
-                        "writes slower than the loopback network)")
-    parser.add_argument("--no-sidecar", action="store_true",
-                        help="only the alternatives (and no memory or hit-path phase)")
-    parser.add_argument("--sidecar-src", type=Path, default=None,
-                        help="measure the sidecar package of another checkout (e.g. a git "
-                        "worktree holding a change), run with this venv's dependencies")
-    parser.add_argument("--sidecar-arg", action="append", default=[],
-                        help="extra `lora-sidecar serve` argument (repeatable), for tuning")
-    args = parser.parse_args(argv)
-    args.phases = set(args.phases.split(","))
-    if args.no_sidecar:
-        args.phases -= {"memory", "hit"}
-    if args.runs is None:
-        args.runs = 1 if args.quick else 3
-    if args.hit_runs is None:
-        args.hit_runs = 1 if args.quick else 3
-    if args.hit_seconds is None:
-        args.hit_seconds = 3.0 if args.quick else 10.0
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -139,8 +139,9 @@ class SidecarStager:
 
     def __init__(
         self, sup: Supervisor, command: list[str], server: S3Server, cache_root: Path,
-        env: Mapping[str, str], extra_args: tuple[str, ...] = (),
+        env: Mapping[str, str], extra_args: tuple[str, ...] = (), name: str = "sidecar",
     ) -> None:
+        self.name = name
         self._sup = sup
         self._cache_root = cache_root
         self.port = free_port()
@@ -158,7 +159,8 @@ class SidecarStager:
             "--log-level", "WARNING",
             *extra_args,
         ]
-        self.proc = sup.start(f"sidecar-{server.label}", argv, env)
+        label = name.replace(" ", "-").replace("(", "").replace(")", "")
+        self.proc = sup.start(f"{label}-{server.label}", argv, env)
         wait_for_port("127.0.0.1", self.port, self.proc, "the sidecar")
         self._conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         self._leases: dict[str, str] = {}

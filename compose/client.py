@@ -14,6 +14,9 @@ from typing import Any
 import numpy as np
 
 MODEL = "multilora_router"
+# The adapter id travels as this header too (gRPC metadata), so a routing proxy in front of
+# many Triton nodes can hash on it; the router checks it against the adapter_id input.
+ADAPTER_HEADER = "x-adapter-id"
 DEFAULT_URL = "localhost:8001"
 # A cold adapter is downloaded before generation starts; the router's own stage timeout is
 # 300 s (its config.pbtxt), so wait a little longer than that by default.
@@ -53,7 +56,7 @@ def generate(
     try:
         result = client.infer(
             MODEL, inputs, outputs=[grpcclient.InferRequestedOutput("generated_text")],
-            client_timeout=timeout_s,
+            client_timeout=timeout_s, headers={ADAPTER_HEADER: adapter_id},
         )
     except InferenceServerException as exc:
         message = (exc.message() or "").lower()

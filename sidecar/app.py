@@ -16,16 +16,22 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from .api import Services, build_web_app
+from .api import READ_ONLY_ROUTES, Services, build_web_app
 from .catalog import Catalog
 from .config import Settings, is_loopback
-from .errors import SidecarError, SourceUnavailable
+from .epp import AdapterSet, EppExporter
+from .errors import CacheOwned, ConfigError, SidecarError, SourceUnavailable
+from .leases import JournalLease, LeaseJournal
 from .localsource import LocalSource
-from .logs import configure_logging
+from .logs import configure_logging, fields
 from .metrics import Metrics
+from .ownership import EXIT_CACHE_OWNED, CacheLock
+from .preflight import configuration_problems
+from .registry_view import RegistryView
+from .seed import REPOSITORY_DIR, seed_model_repository
 from .source import AdapterSource, S3Source
 from .stager import Stager
-from .store import AdapterRecord, AdapterStore, remove_tree
+from .store import CHECK_VALUES, AdapterRecord, AdapterStore, add_verified, remove_tree
 from .transfer import TransferPolicy, transfer_executor
 from .validate import Rules, validate_adapter
 from .watcher import Watcher
@@ -53,6 +59,10 @@ class Health:
                 log.warning("not ready: %s: %s", condition, problem)
             self._problems[condition] = problem
 
+    def drop(self, condition: str) -> None:
+        """Forget a condition that no longer applies (not a recovery: nothing to log)."""
+        self._problems.pop(condition, None)
+
     def problems(self) -> list[str]:
         return [f"{name}: {problem}" for name, problem in sorted(self._problems.items())]
 
@@ -60,7 +70,8 @@ class Health:
 class Sidecar:
     """The running daemon. `await start()`, then `await stop()`; tests use it in-process."""
 
-    def __init__(self, settings: Settings, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, settings: Settings, registry: CollectorRegistry | None = None, *,
+                 lock: CacheLock | None = None) -> None:
         self.settings = settings
         self.metrics = Metrics(registry)
         self.health = Health()
@@ -85,71 +96,115 @@ class Sidecar:
         self._transfer_executor = policy.executor
         self.source: AdapterSource
         if settings.is_s3:
-            self.source = S3Source(settings, policy, self._count_registry_error)
+            self.source = S3Source(settings, policy, self._count_registry_error,
+                                   self.metrics.registry_skipped_folders.set)
         else:
-            self.source = LocalSource(Path(settings.registry), policy)
+            self.source = LocalSource(Path(settings.registry).expanduser().absolute(), policy,
+                                      self.metrics.registry_skipped_folders.set)
         self.stager = Stager(
             self.store,
             self.source,
             self.rules,
             self.metrics,
             refusal_ttl_s=settings.refusal_ttl_s,
+            not_found_ttl_s=settings.not_found_ttl_s,
             on_trash=self.purge_trash,
             on_source_result=self._note_source_result,
         )
         self.catalog = Catalog(settings, self.store, self.rules, self.metrics)
         self.store.before_evict = self.catalog.names.before_evict
         self.store.after_forget = self.catalog.names.after_forget
+        self.registry_view = RegistryView(
+            self.source, settings.catalog_refresh_s,
+            lambda: (adapter.adapter_id for adapter in self.store.adapters()))
         self.watcher = Watcher(self.store, self.rules, self.metrics, on_trash=self.purge_trash)
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
+        self._metrics_runner: web.AppRunner | None = None
         self._pins_pending = set(settings.pin)
+        self._pin_tasks: dict[str, asyncio.Task[None]] = {}
+        self._started = False
         self.port = settings.port
+        self.lock = lock or CacheLock(settings.cache_root)  # `serve` takes it before imports
+        # Set once the cache is re-indexed; until then the API answers /healthz and /readyz
+        # and holds every call that needs the index.
+        self.recovered = asyncio.Event()
+        self._recovery_progress: tuple[int, int] | None = None  # (checked, found) folders
+        self.metrics_port = settings.metrics_port
+        self.epp: EppExporter | None = None
+        if settings.epp_metrics:
+            self.epp = EppExporter(self._adapter_set, prefix=settings.epp_adapter_prefix,
+                                   max_label_bytes=settings.epp_label_max_bytes)
 
     # ---- lifetime ----------------------------------------------------------------------
 
-    async def start(self) -> None:
-        await self._recover()
-        await self.catalog.start()  # after recovery: a generation lists what is on disk
-        await self.watcher.start()
-        self._spawn(self.watcher.run(), "watcher")
-        if isinstance(self.source, S3Source):
-            await self.source.open()
-        services = Services(
-            settings=self.settings, store=self.store, stager=self.stager, metrics=self.metrics,
-            readiness=self, purge_trash=self.purge_trash, catalog=self.catalog,
-        )
-        app = build_web_app(services)
-        self._runner = web.AppRunner(
-            app,
-            access_log=None,
-            handler_cancellation=False,  # a client hanging up must not cancel a shared stage
-            shutdown_timeout=SHUTDOWN_GRACE_S,
-            max_line_size=8190,  # bounded request line and headers
-            max_field_size=8190,
-            max_headers=64,
-        )
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.settings.host, self.settings.port,
-                           backlog=1024, reuse_address=True)
-        await site.start()
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        if sockets:
-            self.port = sockets[0].getsockname()[1]
-        self._spawn(self._expire_leases_loop(), "leases")
+    async def start(self, *, wait_for_recovery: bool = True) -> None:
+        """Own the cache root, bind the port, then recover the cache in the background
+        (awaited here unless `wait_for_recovery` is false). Raises CacheOwned, touching
+        nothing, when another process owns the cache root."""
+        # Before anything in the cache is touched: a second process must leave it alone.
+        if not self.lock.held:
+            self.lock.acquire(self.settings.port or None)
+        log.info("owning the cache root %s (flock on %s)", self.settings.cache_root,
+                 self.lock.path, extra=fields(event="cache_locked",
+                                              cache_root=str(self.settings.cache_root)))
+        try:
+            await self._listen()
+        except BaseException as exc:
+            for runner in (self._runner, self._metrics_runner):
+                if runner is not None:
+                    await runner.cleanup()
+            self._runner = self._metrics_runner = None
+            await self.source.close()
+            # Refused settings leave nothing behind, not even a cache root made for the lock.
+            self.lock.release(undo=isinstance(exc, ConfigError))
+            raise
+        self._started = True
+        self.lock.set_port(self.port)
+        recovery = self._spawn(self._recover_then_serve(), "recovery")
         self._spawn(self._health_loop(), "health")
-        self._spawn(self.catalog.run(), "catalog")
-        for adapter_id in self.settings.pin:
-            self._spawn(self._stage_pin(adapter_id), f"pin:{adapter_id}")
+        self._spawn(self.registry_view.run(), "registry-listing")
         log.info("lora-sidecar listening on http://%s:%d registry=%s cache_root=%s",
                  self.settings.host, self.port, self.source.description,
                  self.settings.cache_root)
+        if wait_for_recovery:
+            await asyncio.shield(recovery)
+
+    async def _listen(self) -> None:
+        if isinstance(self.source, S3Source):
+            await self.source.open()
+        # Settings that parse but cannot work stop the start (sidecar/preflight.py says which
+        # problems stop it and which only delay ready); the caller makes it exit code 2.
+        problems = await configuration_problems(self.settings, self.source)
+        if problems:
+            raise ConfigError(problems)
+        if self.settings.seed_model_repository is not None:
+            # Before the port binds: a startup probe passes only once Triton's repository is
+            # on the volume.
+            await asyncio.to_thread(seed_model_repository, self.settings.seed_model_repository,
+                                    self.settings.cache_root / REPOSITORY_DIR)
+        services = Services(
+            settings=self.settings, store=self.store, stager=self.stager, metrics=self.metrics,
+            readiness=self, purge_trash=self.purge_trash, catalog=self.catalog,
+            recovered=self.recovered, on_unpin=self.unpin, epp=self.epp,
+            registry=self.registry_view,
+        )
+        self._runner, self.port = await _serve_http(build_web_app(services),
+                                                    self.settings.host, self.settings.port)
+        if self.settings.metrics_host is not None:
+            self._metrics_runner, self.metrics_port = await _serve_http(
+                build_web_app(services, READ_ONLY_ROUTES), self.settings.metrics_host,
+                self.settings.metrics_port)
+            log.info("read-only listener (metrics, probes) on http://%s:%d",
+                     self.settings.metrics_host, self.metrics_port)
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()  # stop accepting HTTP first
             self._runner = None
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+            self._metrics_runner = None
         await self.watcher.stop()
         for task in list(self._tasks):
             task.cancel("sidecar shutting down")
@@ -161,7 +216,12 @@ class Sidecar:
         if self._transfer_executor is not None:
             # Every download has waited for its threads; none is left running here.
             self._transfer_executor.shutdown(wait=False, cancel_futures=True)
-        log.info("lora-sidecar stopped")
+        journal, self.store.journal = self.store.journal, None
+        if journal is not None:
+            await asyncio.to_thread(journal.close)
+        self.lock.release()  # last: everything of ours in the cache is settled
+        if self._started:
+            log.info("lora-sidecar stopped")
 
     @property
     def url(self) -> str:
@@ -171,6 +231,11 @@ class Sidecar:
     def problems(self) -> list[str]:
         pending = sorted(self._pins_pending)
         problems = self.health.problems()
+        if not self.recovered.is_set():
+            progress = self._recovery_progress
+            problems.insert(0, "recovering: reading the cache" if progress is None else
+                            f"recovering: {progress[0]} of {progress[1]} adapter folders "
+                            "checked")
         if pending:
             problems.append(f"pinned adapters not staged yet: {', '.join(pending)}")
         catalog_problem = self.catalog.problem()
@@ -178,10 +243,44 @@ class Sidecar:
             problems.append(catalog_problem)
         return problems
 
+    def _adapter_set(self) -> AdapterSet:
+        snap = self.store.snapshot()
+        room = (snap.cache_adapters < snap.capacity_adapters
+                and snap.cache_bytes < snap.capacity_bytes)
+        return AdapterSet([a.adapter_id for a in self.store.adapters()], self.stager.inflight,
+                          room)
+
     # ---- start-up recovery -------------------------------------------------------------
 
+    async def _recover_then_serve(self) -> None:
+        try:
+            await self._recover()
+        except Exception as exc:
+            log.exception("recovering the cache failed")
+            self.health.set("recovery", f"recovering the cache failed: {exc}")
+        try:
+            # After the cache's index (a generation lists what is on disk), before the API
+            # answers /stage (which asks the catalog for the name to send).
+            await self.catalog.start()
+        except Exception as exc:
+            log.exception("starting the catalog failed")
+            self.health.set("catalog", f"starting the catalog failed: {exc}")
+        finally:
+            self.recovered.set()  # a failed recovery is reported by /readyz, not by hanging
+        self._spawn(self.catalog.run(), "catalog")
+        await self.watcher.start()
+        self._spawn(self.watcher.run(), "watcher")
+        self._spawn(self._expire_leases_loop(), "leases")
+        for adapter_id in self.settings.pin:
+            if adapter_id in self._pins_pending:
+                self._pin_tasks[adapter_id] = self._spawn(self._stage_pin(adapter_id),
+                                                          f"pin:{adapter_id}")
+
     async def _recover(self) -> None:
+        """Re-index the cache: one folder at a time, in threads, while the port answers.
+        Costs a stat per file and the headers per adapter, whatever the adapters' bytes."""
         store = self.store
+        started = time.perf_counter()
         try:
             await asyncio.to_thread(store.prepare)
         except OSError as exc:
@@ -189,36 +288,82 @@ class Sidecar:
                             f"{exc.strerror or exc}")
             if not store.adapters_dir.is_dir():
                 return
-
-        def check(folder: Path, record: AdapterRecord) -> list[str]:
-            digests = {name: f.sha256 for name, f in record.files.items() if f.sha256}
-            return [f"{p.code} {p.file}: {p.message}"
-                    for p in validate_adapter(folder, self.rules, sha256=digests)]
-
+        journal = LeaseJournal(store.journal_path, max_leases=self.settings.max_leases)
+        leases = await self._read_journal(journal)
         try:
-            records, report = await asyncio.to_thread(store.scan, check)
+            folders = await asyncio.to_thread(store.published_folders)
         except OSError as exc:
             self.health.set("cache", f"cannot read {store.adapters_dir}: {exc.strerror or exc}")
             return
+        self._recovery_progress = (0, len(folders))
+        log.info("recovering the cache: %d adapter folders, %d leases in the journal",
+                 len(folders), len(leases))
+
+        def check(folder: Path, record: AdapterRecord) -> list[str]:
+            # The rules may have changed since publication: re-checked from the config and
+            # the safetensors header. The bytes are vouched for by the record (no hashing);
+            # their values are read once for a record of a version that did not check them.
+            scan = CHECK_VALUES not in record.verified
+            problems = [f"{p.code} {p.file}: {p.message}"
+                        for p in validate_adapter(folder, self.rules, checksums=False,
+                                                  scan_values=scan)]
+            if scan and not problems:
+                add_verified(folder, record, CHECK_VALUES)
+            return problems
+
+        records, quarantined = [], 0
+        for checked, folder in enumerate(folders, start=1):
+            try:
+                records.append(await asyncio.to_thread(store.recover_folder, folder, check))
+            except ValueError:
+                quarantined += 1  # logged by the quarantine
+            except OSError as exc:
+                quarantined += 1
+                log.warning("cannot quarantine adapter folder %s: %s", folder.name,
+                            exc.strerror or exc)
+            self._recovery_progress = (checked, len(folders))
         for adapter_id in self.settings.pin:
             store.pin(adapter_id)
         store.install(records)
+        restored = store.restore_leases(leases)
+        store.journal = journal
+        try:
+            # Nothing can lease yet (the API waits for recovery), so off the loop is safe.
+            await asyncio.to_thread(journal.reset, store.live_leases())
+        except OSError as exc:
+            journal.failed = True
+            log.warning("cannot write the lease journal %s (%s): leases will not survive a "
+                        "restart", journal.path, exc.strerror or exc)
         for adapter_id in self.settings.pin:
             if store.get(adapter_id) is not None:
                 self._pins_pending.discard(adapter_id)
         evicted = store.trim()
         if evicted:
             self.purge_trash()
-        log.info("recovered cache: adopted=%d quarantined=%d evicted_to_budget=%d bytes=%d",
-                 len(report.adopted), len(report.quarantined), len(evicted), store.total_bytes)
+        elapsed_s = time.perf_counter() - started
+        log.info("recovered cache in %.2fs: adopted=%d quarantined=%d leases=%d "
+                 "evicted_to_budget=%d bytes=%d", elapsed_s, len(records), quarantined,
+                 restored, len(evicted), store.total_bytes,
+                 extra=fields(event="recovered", adapters=len(records), quarantined=quarantined,
+                              leases=restored, duration_s=round(elapsed_s, 3)))
+
+    async def _read_journal(self, journal: LeaseJournal) -> list[JournalLease]:
+        try:
+            return await asyncio.to_thread(journal.load, self.settings.lease_ttl_s)
+        except OSError as exc:
+            log.warning("cannot read the lease journal %s (%s): leases granted before this "
+                        "start are not known, and their adapters may be evicted",
+                        journal.path, exc.strerror or exc)
+            return []
 
     # ---- background work ---------------------------------------------------------------
 
-    def _spawn(self, coro: Awaitable[None], name: str) -> None:
+    def _spawn(self, coro: Awaitable[None], name: str) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
         task.set_name(name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def purge_trash(self) -> None:
         """Delete evicted folders off the loop; the rename already hid them from readers."""
@@ -226,16 +371,24 @@ class Sidecar:
             self._spawn(asyncio.to_thread(remove_tree, folder), f"purge:{folder.name}")
 
     async def _expire_leases_loop(self) -> None:
+        store = self.store
         while True:
             try:
-                expired = self.store.expire_leases()
-                if expired and self.store.trim():
+                expired = store.expire_leases()
+                if expired and store.trim():
                     self.purge_trash()
+                journal = store.journal
+                if journal is not None:
+                    if journal.flush_due():
+                        journal.flush()
+                    if journal.compaction_due(store.live_lease_count) and (
+                            journal.begin_compaction()):
+                        await asyncio.to_thread(journal.merge)  # the loop appends meanwhile
+                    journal.close_if_idle()
             except Exception:
                 log.exception("lease expiry failed")
-            next_expiry = self.store.next_lease_expiry()
-            delay = 1.0 if next_expiry is None else next_expiry - time.time()
-            await asyncio.sleep(min(1.0, max(0.05, delay)))
+            delay = store.seconds_to_next_expiry()
+            await asyncio.sleep(min(1.0, max(0.05, 1.0 if delay is None else delay)))
 
     async def _health_loop(self) -> None:
         last_probe = 0.0
@@ -272,16 +425,51 @@ class Sidecar:
             log.info("pinned adapter staged adapter_id=%s", adapter_id)
             return
 
+    def unpin(self, adapter_id: str) -> bool:
+        """Unpin, including a pin still waiting to be staged: its retries stop and it no longer
+        holds readiness back. True if the adapter was pinned."""
+        was_pinned = self.store.unpin(adapter_id)
+        task = self._pin_tasks.pop(adapter_id, None)
+        if task is not None and not task.done():
+            task.cancel("unpinned")
+        if adapter_id in self._pins_pending:
+            self._pins_pending.discard(adapter_id)
+            was_pinned = True
+        self.health.drop(f"pin {adapter_id}")
+        return was_pinned
+
     def _note_source_result(self, error: SidecarError | None) -> None:
         if error is None:
             self.health.set("registry", None)
         elif isinstance(error, SourceUnavailable) or getattr(error, "cause", "") in (
-            "credentials", "permission", "bucket",
+            "credentials", "credentials_expired", "clock", "permission", "bucket", "not_s3",
         ):
             self.health.set("registry", error.message)
 
     def _count_registry_error(self, operation: str) -> None:
         self.metrics.registry_errors.labels(operation=operation).inc()
+
+
+async def _serve_http(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve `app` on host:port; the runner and the port bound (port 0 picks one)."""
+    runner = web.AppRunner(
+        app,
+        access_log=None,
+        handler_cancellation=False,  # a client hanging up must not cancel a shared stage
+        shutdown_timeout=SHUTDOWN_GRACE_S,
+        max_line_size=8190,  # bounded request line and headers
+        max_field_size=8190,
+        max_headers=64,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    sockets = getattr(site._server, "sockets", None) or []
+    return runner, sockets[0].getsockname()[1] if sockets else port
 
 
 def _check_writable(folder: Path) -> str | None:
@@ -300,27 +488,33 @@ def _check_writable(folder: Path) -> str | None:
 # ---- the process ---------------------------------------------------------------------------
 
 
-def serve(settings: Settings) -> int:
-    """Run until SIGTERM/SIGINT. Returns the process exit code."""
+def serve(settings: Settings, lock: CacheLock | None = None) -> int:
+    """Run until SIGTERM/SIGINT (with the cache's lock, if the caller took it already).
+    Returns the process exit code."""
     configure_logging(settings.log_level, settings.log_format)
     if not is_loopback(settings.host) and settings.api_token is None:
         log.warning("binding to %s without --api-token: anyone who can reach this port can "
                     "evict and pin adapters", settings.host)
     log.info("settings: %s", settings.describe())
     try:
-        return asyncio.run(_run(settings))
+        return asyncio.run(_run(settings, lock))
     except KeyboardInterrupt:
         return 0
 
 
-async def _run(settings: Settings) -> int:
-    sidecar = Sidecar(settings)
+async def _run(settings: Settings, lock: CacheLock | None) -> int:
+    """Raises ConfigError for settings that cannot work; the caller makes it exit code 2."""
+    sidecar = Sidecar(settings, lock=lock)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     try:
-        await sidecar.start()
+        await sidecar.start(wait_for_recovery=False)
+    except CacheOwned as exc:
+        log.error("cannot start: %s", exc.message)
+        await sidecar.stop()
+        return EXIT_CACHE_OWNED
     except OSError as exc:
         log.error("cannot start: %s", exc)
         await sidecar.stop()

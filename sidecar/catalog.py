@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any
 
 from .config import Settings, TritonReload
 from .engine_state import EngineState, EngineTracker, LoadKind, LoadOutcome, Probe, Transition
@@ -50,12 +50,6 @@ class Plan:
     not_before: float  # monotonic: the earliest it may start (a quiet window's start)
 
 
-class Compaction(Protocol):
-    """What POST /catalog/compact needs."""
-
-    def request_compaction(self) -> dict[str, Any]: ...
-
-
 class Catalog:
     """`start()` once the store has recovered, then `run()` as a background task. /stage asks
     `lora_name()` and, when it returns None, `bind()`; GET /catalog reads `status()`."""
@@ -76,7 +70,6 @@ class Catalog:
         self._metrics = metrics
         self.names = Names(settings, store, rules, wall)
         self.names.on_change = self._names_changed
-        self.path = self.names.path
         self._model = settings.triton_model
         self._control: ModelControl | None = None
         if settings.triton_url is not None:
@@ -540,7 +533,7 @@ class Catalog:
         load before multi_lora.json exists."""
         if self.names.current() is not None:
             return None
-        return f"catalog: {self.path.name} not rendered yet ({self._error or 'starting'})"
+        return f"catalog: {self.names.path.name} not rendered yet ({self._error or 'starting'})"
 
     def _update_gauges(self) -> None:
         current = self.names.current()
@@ -579,7 +572,7 @@ class Catalog:
         ids = sorted(current.adapter_ids) if current else []
         body: dict[str, Any] = {
             "enabled": True,
-            "path": str(self.path),
+            "path": str(self.names.path),
             "generation": current.number if current else 0,
             "rendered_at": iso_utc(current.rendered_at) if current else None,
             "rule": "adapters validated and on disk when the generation was rendered, by their "

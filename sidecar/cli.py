@@ -1,5 +1,9 @@
 """Client commands (`stage`, `evict`, `ls`, `pin`, `unpin`, `prewarm`) that talk to a running
-sidecar over HTTP, and `validate`, which checks a local folder with the sidecar's rules.
+sidecar over HTTP, `validate`, which checks a local folder with the sidecar's rules, and
+`examples`, which fills an empty local registry.
+
+The sidecar's error messages speak its HTTP API (`"force": true`, its own `--api-token`); where
+the command line has its own way to do the thing, the message printed here names that instead.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import LLAMA_TARGET_MODULES, is_valid_adapter_id
+from .config import LLAMA_TARGET_MODULES, format_size, is_valid_adapter_id
 
 DEFAULT_URL = "http://127.0.0.1:8500"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -36,7 +40,7 @@ def _request(args: argparse.Namespace, method: str, path: str,
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(args.url.rstrip("/") + path, data=data, method=method)
     request.add_header("Content-Type", "application/json")
-    token = args.token or os.environ.get("LORA_SIDECAR_API_TOKEN")
+    token = _token(args)
     if token:
         request.add_header("Authorization", f"Bearer {token}")
     try:
@@ -56,7 +60,9 @@ def _request(args: argparse.Namespace, method: str, path: str,
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise ClientError(0, {"error": "unreachable",
-                              "message": f"cannot reach the sidecar at {args.url}: {reason}"}
+                              "message": f"cannot reach the sidecar at {args.url}: {reason} "
+                              "(is `lora-sidecar serve` running there? --url or "
+                              "LORA_SIDECAR_URL name another address)"}
                           ) from None
 
 
@@ -68,7 +74,7 @@ def _fail(args: argparse.Namespace, error: ClientError) -> int:
     if args.json:
         print(json.dumps(error.body, indent=2))
     else:
-        print(f"error: {error.body.get('error')}: {error.body.get('message')}", file=sys.stderr)
+        print(f"error: {error.body.get('error')}: {_message(args, error.body)}", file=sys.stderr)
         for problem in error.body.get("problems", []) or []:
             if isinstance(problem, dict):
                 print(f"  - {problem.get('code')} {problem.get('file')}: "
@@ -76,13 +82,36 @@ def _fail(args: argparse.Namespace, error: ClientError) -> int:
     return EXIT_FAILED
 
 
-def _human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1000 or unit == "GB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    return f"{n} B"
+def _token(args: argparse.Namespace) -> str | None:
+    return args.token or os.environ.get("LORA_SIDECAR_API_TOKEN") or None
+
+
+def _message(args: argparse.Namespace, body: dict[str, Any]) -> str:
+    """The sidecar's message, or for the errors a flag of this command line answers, one that
+    names the flag."""
+    code, message = body.get("error"), str(body.get("message"))
+    if code == "adapter_in_use" and args.command == "evict":
+        why, undo = [], []
+        if body.get("pinned"):
+            why.append("pinned")
+            undo.append("unpins it")
+        if body.get("leases"):
+            why.append(f"held by {body['leases']} live lease(s)")
+            undo.append("ends the leases")
+        what = " and ".join(why) or "in use"
+        consequence = f" ({' and '.join(undo)})" if undo else ""
+        return (f"adapter {args.adapter_id} is {what}; `lora-sidecar evict {args.adapter_id} "
+                f"--force` evicts it anyway{consequence}")
+    if code == "unauthorized":
+        if _token(args) is None:
+            return (f"the sidecar at {args.url} needs its API token for `{args.command}`: pass "
+                    "--token TOKEN or set LORA_SIDECAR_API_TOKEN (the token the sidecar was "
+                    "started with)")
+        return (f"the sidecar at {args.url} refused the token given (--token or "
+                "LORA_SIDECAR_API_TOKEN): pass the token the sidecar was started with")
+    if code == "stage_timeout":
+        return f"{message} (--timeout sets how long this command waits)"
+    return message
 
 
 def _check_ids(ids: list[str]) -> None:
@@ -104,7 +133,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     except ClientError as exc:
         return _fail(args, exc)
     state = "cached" if answer.get("cached") else "staged"
-    _print(args, answer, f"{state} {answer['adapter_id']} ({_human_bytes(answer['size_bytes'])}) "
+    _print(args, answer, f"{state} {answer['adapter_id']} ({format_size(answer['size_bytes'])}) "
            f"at {answer['path']}")
     return EXIT_OK
 
@@ -116,10 +145,16 @@ def cmd_evict(args: argparse.Namespace) -> int:
                           {"adapter_id": args.adapter_id, "force": args.force})
     except ClientError as exc:
         return _fail(args, exc)
+    if answer.get("reason") == "forgotten":  # not cached: only a remembered refusal
+        _print(args, answer, f"forgot the remembered refusal of {args.adapter_id}: the next "
+               "stage fetches and validates it again")
+        return EXIT_OK
     broken = answer.get("broken_leases") or []
     extra = f", broke {len(broken)} lease(s)" if broken else ""
+    if answer.get("forgot_refusal"):
+        extra += ", forgot its remembered refusal"
     _print(args, answer, f"evicted {args.adapter_id}, freed "
-           f"{_human_bytes(answer['freed_bytes'])}{extra}")
+           f"{format_size(answer['freed_bytes'])}{extra}")
     return EXIT_OK
 
 
@@ -133,14 +168,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return EXIT_OK
     rows = [("ADAPTER", "SIZE", "PINNED", "LEASES", "LAST USED")]
     for a in answer["adapters"]:
-        rows.append((a["adapter_id"], _human_bytes(a["size_bytes"]), "yes" if a["pinned"] else "",
+        rows.append((a["adapter_id"], format_size(a["size_bytes"]), "yes" if a["pinned"] else "",
                      str(a["leases"]), a["last_used"]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     cache = answer["cache"]
     print(f"\n{cache['adapters']}/{cache['max_adapters']} adapters, "
-          f"{_human_bytes(cache['bytes'])} of {_human_bytes(cache['max_bytes'])}")
+          f"{format_size(cache['bytes'])} of {format_size(cache['max_bytes'])}")
     return EXIT_OK
 
 
@@ -154,7 +189,14 @@ def cmd_pin(args: argparse.Namespace) -> int:
         answer = _request(args, "POST", path, body, timeout_s=args.timeout + 5)
     except ClientError as exc:
         return _fail(args, exc)
-    _print(args, answer, f"{args.command}ned {args.adapter_id}")
+    if args.command == "unpin" and not answer.get("was_pinned"):
+        text = f"{args.adapter_id} was not pinned; nothing changed"
+    elif args.command == "unpin":
+        text = f"unpinned {args.adapter_id}"
+    else:
+        text = (f"pinned {args.adapter_id} ({format_size(answer['size_bytes'])}) "
+                f"at {answer['path']}")
+    _print(args, answer, text)
     return EXIT_OK
 
 
@@ -173,12 +215,12 @@ def cmd_prewarm(args: argparse.Namespace) -> int:
             results[adapter_id] = exc.body
             if not args.json:
                 print(f"FAILED {adapter_id}: {exc.body.get('error')}: "
-                      f"{exc.body.get('message')}", file=sys.stderr)
+                      f"{_message(args, exc.body)}", file=sys.stderr)
             continue
         results[adapter_id] = answer
         if not args.json:
             state = "cached" if answer.get("cached") else "staged"
-            print(f"{state:6} {adapter_id} ({_human_bytes(answer['size_bytes'])})")
+            print(f"{state:6} {adapter_id} ({format_size(answer['size_bytes'])})")
     ready, reason = _wait_ready(args)
     if args.json:
         print(json.dumps({"results": results, "failed": failed, "ready": ready,
@@ -222,6 +264,31 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return run_validate(args.path, rules, as_json=args.json, out=sys.stdout)
 
 
+def cmd_examples(args: argparse.Namespace) -> int:
+    """Write the example adapters into an empty or new folder; say what was done either way."""
+    from .examples import EXAMPLE_ADAPTERS, ensure_examples
+
+    folder: Path = args.folder
+    try:
+        present = sorted(entry.name for entry in folder.iterdir()) if folder.exists() else []
+        if present and set(EXAMPLE_ADAPTERS) <= set(present):
+            print(f"the example adapters {', '.join(EXAMPLE_ADAPTERS)} are already in {folder}")
+            return EXIT_OK
+        if present:
+            shown = ", ".join(map(repr, present[:5])) + (" …" if len(present) > 5 else "")
+            print(f"{folder} is not empty ({len(present)} entries: {shown}): no example was "
+                  "written; examples go into an empty or new folder only",
+                  file=sys.stdout if args.skip_if_not_empty else sys.stderr)
+            return EXIT_OK if args.skip_if_not_empty else EXIT_FAILED
+        written = ensure_examples(folder)
+    except OSError as exc:
+        print(f"error: cannot write the examples into {folder}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return EXIT_FAILED
+    print(f"wrote example adapters {', '.join(written)} into {folder}")
+    return EXIT_OK
+
+
 # ---- argument parsing ----------------------------------------------------------------------
 
 
@@ -241,7 +308,8 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     p = _client_parser(subparsers, "stage", "stage an adapter (download it if needed)", cmd_stage)
     p.add_argument("adapter_id")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait (default 600)")
-    p = _client_parser(subparsers, "evict", "remove an adapter from the cache", cmd_evict)
+    p = _client_parser(subparsers, "evict", "remove an adapter from the cache, and forget a "
+                       "remembered refusal of it (after fixing it in the registry)", cmd_evict)
     p.add_argument("adapter_id")
     p.add_argument("--force", action="store_true",
                    help="evict even if pinned or leased (breaks the leases)")
@@ -276,6 +344,23 @@ def add_validate_command(subparsers: argparse._SubParsersAction[argparse.Argumen
                    help="the base model's config.json: check tensor shapes against it")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(handler=cmd_validate)
+
+
+def add_examples_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "examples",
+        help="write two small example adapters into an empty local registry",
+        description="Write two small, valid example adapters (example-support-v1, "
+        "example-sql-v1) into FOLDER if it is empty or does not exist. Exit 0 when they were "
+        "written or are there already; 1 when FOLDER holds something else (nothing is "
+        "written), unless --skip-if-not-empty.",
+    )
+    p.add_argument("folder", type=Path, nargs="?", default=Path("./registry"),
+                   help="the local registry to fill (default ./registry)")
+    p.add_argument("--skip-if-not-empty", action="store_true",
+                   help="a folder that holds other things is left alone with exit 0 (what "
+                   "`make run` does, so that your own adapters in ./registry are served)")
+    p.set_defaults(handler=cmd_examples)
 
 
 def run(args: argparse.Namespace) -> int:

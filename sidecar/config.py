@@ -7,7 +7,9 @@ variables (`LORA_SIDECAR_<NAME>`) and `--help` are all generated from that table
 from __future__ import annotations
 
 import ipaddress
+import logging
 import math
+import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -17,7 +19,11 @@ from typing import Any, TypeVar
 
 from .errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 ENV_PREFIX = "LORA_SIDECAR_"
+# The most a start waits on the registry to judge --pin before starting anyway (preflight.py).
+REGISTRY_START_CHECK_S = 10.0
 ADAPTER_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 LLAMA_TARGET_MODULES = (
     "q_proj",
@@ -91,31 +97,41 @@ class LogFormat(Enum):
 
 _E = TypeVar("_E", bound=Enum)
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
+# Binary units only, in every option, log line, listing and error: a budget given as 20GiB
+# reads back as 20 GiB, never as "21.5 GB". Decimal spellings are refused, not reinterpreted.
+_SIZE_UNITS = {"": 1, "b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+               "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+_DECIMAL_UNITS = {"k": "KiB", "kb": "KiB", "m": "MiB", "mb": "MiB", "g": "GiB", "gb": "GiB",
+                  "t": "TiB", "tb": "TiB"}
+_SHOWN_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
 
 
 def parse_size(text: str) -> int:
-    """`"20GiB"`, `"500MB"`, `"1048576"` -> bytes."""
+    """`"20GiB"`, `"512MiB"`, `"1048576"` -> bytes. Units are binary (KiB, MiB, GiB, TiB)."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-    if match is None or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a size: {text!r} (use bytes or a unit such as 500MB, 20GiB)")
-    value = float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()]
-    return int(value)
+    if match is None:
+        raise ValueError(f"not a size: {text!r} (use bytes or a binary unit: 512MiB, 20GiB)")
+    unit = match.group(2).lower()
+    if unit in _DECIMAL_UNITS:
+        raise ValueError(f"sizes use binary units (KiB, MiB, GiB, TiB), as the sidecar prints "
+                         f"them: write {match.group(1)}{_DECIMAL_UNITS[unit]} or a number of "
+                         "bytes")
+    if unit not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (use bytes or a binary unit: 512MiB, 20GiB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def format_size(size_bytes: int) -> str:
+    """Bytes for people, in the units `parse_size` reads: `8.3 KiB`, `20 GiB`, `512 B`."""
+    value = float(size_bytes)
+    for unit in _SHOWN_UNITS:
+        if round(abs(value), 1) < 1024 or unit == _SHOWN_UNITS[-1]:
+            if unit == "B":
+                return f"{size_bytes} B"
+            shown = f"{value:.1f}".removesuffix(".0")
+            return f"{shown} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
 
 
 def _parse_int(text: str) -> int:
@@ -255,6 +271,21 @@ def _parse_list(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError("use true or false")
+
+
+def _parse_label_prefix(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9._/:-]*", text.strip()):
+        raise ValueError("use letters, digits and . _ / : - only")
+    return text.strip()
+
+
 def _parse_optional_str(text: str) -> str | None:
     return text.strip() or None
 
@@ -300,6 +331,26 @@ OPTIONS: tuple[Option, ...] = (
            "ADDR"),
     Option("port", "--port", _parse_port, "8500", "port of the HTTP API (0 picks a free one)",
            "PORT"),
+    Option("metrics_host", "--metrics-host", _parse_optional_str, "",
+           "address of a second, read-only listener (GET /metrics, /metrics/epp, /healthz, "
+           "/readyz), e.g. the pod IP or 0.0.0.0, while the API stays on --host "
+           "(default: none)", "ADDR"),
+    Option("metrics_port", "--metrics-port", _parse_port, "9400",
+           "port of the --metrics-host listener", "PORT"),
+    Option("epp_metrics", "--epp-metrics", _parse_bool, "false",
+           "serve GET /metrics/epp: the adapter set as the model-server protocol's "
+           "lora_requests_info gauge, for an endpoint picker (llm-d)", "BOOL"),
+    Option("epp_adapter_prefix", "--epp-adapter-prefix", _parse_label_prefix, "",
+           "put before each adapter id in /metrics/epp (the model name an endpoint picker "
+           "sees, e.g. base-model/)", "TEXT"),
+    Option("epp_label_max_bytes", "--epp-label-max-bytes",
+           _at_least(_parse_int, 64, "at least 64"), "4096",
+           "longest adapter list in a /metrics/epp label; the most recently used are kept",
+           "N"),
+    Option("seed_model_repository", "--seed-model-repository", _parse_optional_path, "",
+           "a Triton model repository template to copy into <cache-root>/model_repository "
+           "at start (only what differs is written), so Triton loads a repository on the "
+           "cache volume while the template stays read-only", "DIR"),
     Option("s3_endpoint_url", "--s3-endpoint-url", _parse_http_url, "",
            "S3-compatible endpoint, e.g. http://minio:9000 (default: AWS)", "URL"),
     Option("s3_region", "--s3-region", _parse_optional_str, "",
@@ -320,7 +371,7 @@ OPTIONS: tuple[Option, ...] = (
            "ranged GETs in flight at once, across all adapters (S3 serves each connection "
            "at a fraction of a NIC: parallel ones fill it; 1 MiB of buffer each)", "N"),
     Option("max_bytes", "--max-bytes", _positive(parse_size), "20GiB",
-           "byte budget of the cache (e.g. 500GB); least recently used adapters are evicted",
+           "byte budget of the cache (e.g. 500GiB); least recently used adapters are evicted",
            "SIZE"),
     Option("max_adapters", "--max-adapters", _at_least(_parse_int, 1, "at least 1"), "256",
            "most adapters kept on disk at once", "N"),
@@ -337,7 +388,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("stage_timeout_s", "--stage-timeout", _positive(_parse_float), "600",
            "longest a /stage call waits when the caller gives no timeout_s", "SECONDS"),
     Option("refusal_ttl_s", "--refusal-ttl", _at_least(_parse_float, 0, "0 or more"), "60",
-           "seconds a refused (invalid) adapter is remembered before it is fetched again",
+           "seconds a refused (invalid) adapter is remembered before it is fetched again "
+           "(`lora-sidecar evict ID` forgets it sooner)", "SECONDS"),
+    Option("not_found_ttl_s", "--not-found-ttl", _at_least(_parse_float, 0, "0 or more"), "2",
+           "seconds an id the registry does not have is answered 404 from memory, without "
+           "listing the registry again (an adapter uploaded since is found once they pass)",
            "SECONDS"),
     Option("max_lora_rank", "--max-lora-rank", _at_least(_parse_int, 1, "at least 1"), "16",
            "largest LoRA rank the served engine accepts (vLLM's max_lora_rank)", "N"),
@@ -352,7 +407,9 @@ OPTIONS: tuple[Option, ...] = (
            "FILE"),
     Option("catalog_refresh_s", "--catalog-refresh", _positive(_parse_float), "30",
            "longest seconds between two looks at the catalog (quiet window, generations to "
-           "retire); changes are acted on at once", "SECONDS"),
+           "retire; changes are acted on at once), and seconds between two listings of the "
+           "registry (GET /catalog's registry view; folders that cannot be adapters are logged "
+           "and counted)", "SECONDS"),
     Option("spare_names", "--spare-names", _at_least(_parse_int, 0, "0 or more"), "32",
            "spare names each catalog generation lists, bound to new adapters without a reload "
            "(needs --base-model-config); 0: every adapter the loaded catalog does not list "
@@ -397,6 +454,11 @@ OPTIONS: tuple[Option, ...] = (
 _BY_FIELD = {option.field: option for option in OPTIONS}
 
 
+def option_for(field_name: str) -> Option:
+    """The option behind a settings field, to name its flag and variable in messages."""
+    return _BY_FIELD[field_name]
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     registry: str = "./registry"
@@ -404,6 +466,12 @@ class Settings:
     triton_cache_root: Path | None = None
     host: str = "127.0.0.1"
     port: int = 8500
+    metrics_host: str | None = None
+    metrics_port: int = 9400
+    epp_metrics: bool = False
+    epp_adapter_prefix: str = ""
+    epp_label_max_bytes: int = 4096
+    seed_model_repository: Path | None = None
     s3_endpoint_url: str | None = None
     s3_region: str | None = None
     s3_connect_timeout_s: float = 5.0
@@ -419,6 +487,7 @@ class Settings:
     max_leases: int = 100_000
     stage_timeout_s: float = 600.0
     refusal_ttl_s: float = 60.0
+    not_found_ttl_s: float = 2.0
     max_lora_rank: int = 16
     allowed_target_modules: tuple[str, ...] = LLAMA_TARGET_MODULES
     base_model: str | None = None
@@ -496,6 +565,8 @@ class Settings:
                 value = "<set>" if value else None
             elif isinstance(value, Enum):
                 value = value.value
+            elif option.metavar == "SIZE":
+                value = format_size(value)
             elif isinstance(value, Path):
                 value = str(value)
             elif isinstance(value, CompactionWindow):
@@ -524,6 +595,9 @@ def _check(p: Mapping[str, Any]) -> Iterable[str]:
     if p["compact_below"] is not None and 0 < p["spare_names"] <= p["compact_below"]:
         yield (f"--compact-below {p['compact_below']} must be less than --spare-names "
                f"{p['spare_names']}: every binding would plan a compaction")
+    if p["metrics_host"] == p["host"] and p["metrics_port"] == p["port"] and p["port"] != 0:
+        yield (f"--metrics-host/--metrics-port {p['metrics_host']}:{p['metrics_port']} is the "
+               "API's own address; give the read-only listener another port")
 
 
 def is_loopback(host: str) -> bool:
@@ -533,3 +607,29 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def local_registry_problem(registry: str) -> str | None:
+    """Why a local --registry cannot work, or None. An S3 registry is never judged here: one
+    that does not answer yet may still come up (services start in any order)."""
+    if registry.startswith("s3://") or "://" in registry:
+        return None
+    option = _BY_FIELD["registry"]
+    folder = Path(registry).expanduser().absolute()
+    prefix = f"{option.flag} ({option.env_var}) = {registry!r}"
+    try:
+        with os.scandir(folder) as entries:
+            next(entries, None)
+    except FileNotFoundError:
+        return (f"{prefix}: the folder {folder} does not exist; create it (`lora-sidecar "
+                f"examples {registry}` writes two example adapters into it), or name an "
+                "existing folder or s3://bucket/prefix")
+    except NotADirectoryError:
+        return f"{prefix}: {folder} is not a folder (one sub-folder per adapter is expected)"
+    except PermissionError:
+        return f"{prefix}: the folder {folder} cannot be read (permission denied)"
+    except OSError as exc:
+        # An I/O error (a network file system that blinks) can pass: readiness reports it.
+        log.warning("cannot read the registry folder %s at start (%s); starting anyway",
+                    folder, exc.strerror or exc)
+    return None

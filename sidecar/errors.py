@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -30,17 +31,14 @@ class SidecarError(Exception):
         return {}
 
 
-class ConfigError(SidecarError):
-    """Bad settings; carries every problem found, not just the first."""
-
-    code = "config_error"
+class ConfigError(Exception):
+    """Bad settings; carries every problem found, not just the first. Not a SidecarError: it
+    stops the start (exit code 2) and never reaches an API caller."""
 
     def __init__(self, problems: Sequence[str]) -> None:
         self.problems = list(problems)
-        super().__init__("invalid configuration:\n  - " + "\n  - ".join(self.problems))
-
-    def extra(self) -> Mapping[str, Any]:
-        return {"problems": self.problems}
+        self.message = "invalid configuration:\n  - " + "\n  - ".join(self.problems)
+        super().__init__(self.message)
 
 
 class BadRequest(SidecarError):
@@ -92,17 +90,36 @@ class InvalidAdapter(SidecarError):
 
     code = "invalid_adapter"
 
-    def __init__(self, adapter_id: str, problems: Sequence[Mapping[str, str]]) -> None:
+    def __init__(self, adapter_id: str, problems: Sequence[Mapping[str, str]], *,
+                 remembered: bool = False, refused_at: str | None = None,
+                 remembered_until: str | None = None) -> None:
         self.problems = [dict(p) for p in problems]
+        self.remembered = remembered  # answered from memory, not from a fresh look
+        self.refused_at = refused_at  # ISO 8601 UTC
+        self.remembered_until = remembered_until  # None: not remembered at all
         summary = "; ".join(f"{p['file']}: {p['message']}" for p in self.problems[:5])
         more = f" (+{len(self.problems) - 5} more)" if len(self.problems) > 5 else ""
-        super().__init__(
-            f"adapter {adapter_id} was refused by validation: {summary}{more}",
-            adapter_id=adapter_id,
-        )
+        if remembered:
+            head = f"adapter {adapter_id} was refused by validation at {refused_at}"
+            tail = (f". This is that remembered verdict, kept until {remembered_until} "
+                    f"(--refusal-ttl); after fixing the adapter, `lora-sidecar evict "
+                    f"{adapter_id}` (POST /evict) clears it now")
+        else:
+            head = f"adapter {adapter_id} was refused by validation"
+            tail = "" if remembered_until is None else (
+                f". The verdict is remembered until {remembered_until} (--refusal-ttl); "
+                f"`lora-sidecar evict {adapter_id}` (POST /evict) clears it sooner")
+        super().__init__(f"{head}: {summary}{more}{tail}", adapter_id=adapter_id)
+
+    def recalled(self) -> InvalidAdapter:
+        """The same verdict, answered again from memory."""
+        assert self.adapter_id is not None
+        return InvalidAdapter(self.adapter_id, self.problems, remembered=True,
+                              refused_at=self.refused_at, remembered_until=self.remembered_until)
 
     def extra(self) -> Mapping[str, Any]:
-        return {"problems": self.problems}
+        return {"problems": self.problems, "remembered": self.remembered,
+                "refused_at": self.refused_at, "remembered_until": self.remembered_until}
 
 
 class SourceUnavailable(SidecarError):
@@ -118,6 +135,14 @@ class SourceUnavailable(SidecarError):
 
     def extra(self) -> Mapping[str, Any]:
         return {"cause": self.cause}
+
+
+class RegistryTransient(SourceUnavailable):
+    """The bytes did not arrive intact on any fresh download (a checksum that disagrees with
+    the registry's own, a file that cannot be read back): retryable, and never remembered as a
+    verdict on the adapter."""
+
+    code = "registry_transient"
 
 
 class SourceError(SidecarError):
@@ -171,6 +196,12 @@ class CatalogReloading(SidecarError):
     code = "catalog_reloading"
 
 
+class CatalogDisabled(SidecarError):
+    """A catalog call to a sidecar that renders no catalog."""
+
+    code = "catalog_disabled"
+
+
 class CacheUnwritable(SidecarError):
     """The cache volume refuses writes (read-only, permissions)."""
 
@@ -179,3 +210,14 @@ class CacheUnwritable(SidecarError):
 
 class NotReady(SidecarError):
     code = "not_ready"
+
+
+class CacheOwned(Exception):
+    """Another process owns the cache root: this one must not start, and touches nothing. Not
+    a SidecarError: it stops the start (exit code 3) and never reaches an API caller."""
+
+    def __init__(self, message: str, *, cache_root: Path, owner: object = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.cache_root = cache_root
+        self.owner = owner

@@ -16,17 +16,19 @@ from pathlib import Path
 from .checksum import crc32_hex
 from .config import is_valid_adapter_id
 from .errors import AdapterNotFound, SourceChanged, SourceUnavailable
-from .source import FetchedFile, Listing, RemoteFile, is_safe_file_name
-from .transfer import TransferPolicy, download
+from .source import FetchedFile, Listing, RemoteFile, SkippedFolders, is_safe_file_name
+from .transfer import Inspector, TransferPolicy, download, open_in_thread
 
 log = logging.getLogger(__name__)
 
 
 class LocalSource:
-    def __init__(self, root: Path, policy: TransferPolicy) -> None:
+    def __init__(self, root: Path, policy: TransferPolicy,
+                 on_skipped: Callable[[int], None] | None = None) -> None:
         self.root = root
         self.description = str(root)
         self._policy = policy
+        self._skipped = SkippedFolders(str(root.absolute()), on_skipped)
 
     async def open(self) -> None:
         return None
@@ -42,15 +44,24 @@ class LocalSource:
 
     async def list_adapter_ids(self) -> list[str]:
         await self.probe()
-        return await asyncio.to_thread(self._scan_ids)
+        ids, skipped = await asyncio.to_thread(self._scan_ids)
+        self._skipped.note(skipped)
+        return ids
 
-    def _scan_ids(self) -> list[str]:
-        ids = []
+    def _scan_ids(self) -> tuple[list[str], list[str]]:
+        """The adapter ids, and the folders left out; plain files are not folders at all."""
+        ids, skipped = [], []
         with os.scandir(self.root) as entries:
             for entry in entries:
-                if entry.is_dir(follow_symlinks=False) and is_valid_adapter_id(entry.name):
+                if entry.is_symlink() and entry.is_dir():
+                    skipped.append(f"{entry.name} (a symbolic link, never followed)")
+                elif not entry.is_dir(follow_symlinks=False):
+                    continue
+                elif is_valid_adapter_id(entry.name):
                     ids.append(entry.name)
-        return sorted(ids)
+                else:
+                    skipped.append(entry.name)
+        return sorted(ids), skipped
 
     async def list_files(self, adapter_id: str) -> Listing:
         await self.probe()
@@ -88,12 +99,12 @@ class LocalSource:
         return Listing(sorted(files, key=lambda f: f.name), sorted(unsafe))
 
     async def fetch(
-        self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None]
+        self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None],
+        *, inspect: Inspector | None = None, sha256: bool = False,
     ) -> FetchedFile:
         try:
-            fd = await asyncio.to_thread(
-                os.open, file.locator, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-            )
+            fd = await open_in_thread(self._policy.executor, file.locator,
+                                      os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             raise SourceChanged(
                 f"{file.locator} vanished or became a link before it was copied ({exc.strerror})",
@@ -106,14 +117,17 @@ class LocalSource:
                     f"{file.locator} changed between listing and copy", adapter_id=adapter_id,
                     cause="object_changed",
                 )
-
-            def open_range(start: int, end: int) -> _FileRange:
-                return _FileRange(fd, start, end, file.locator, adapter_id)
-
-            digests = await download(open_range, dest, file.size_bytes, self._policy, on_bytes)
-        finally:
+        except BaseException:
             os.close(fd)
-        return FetchedFile(crc32_hex(digests.crc32), None)
+            raise
+
+        def open_range(start: int, end: int) -> _FileRange:
+            return _FileRange(fd, start, end, file.locator, adapter_id)
+
+        # The download closes the registry file once no worker thread reads it.
+        digests = await download(open_range, dest, file.size_bytes, self._policy, on_bytes,
+                                 sha256=sha256, inspect=inspect, owned_fds=(fd,))
+        return FetchedFile(crc32_hex(digests.crc32), digests.sha256)
 
 
 class _FileRange:
@@ -127,7 +141,12 @@ class _FileRange:
         want = min(len(buffer), self._end - self._offset)
         if want == 0:
             return 0
-        got = os.preadv(self._fd, [buffer[:want]], self._offset)
+        try:
+            got = os.preadv(self._fd, [buffer[:want]], self._offset)
+        except OSError as exc:  # an I/O error of the registry's disk: retried per part
+            raise SourceUnavailable(f"cannot read {self._locator} in the registry folder: "
+                                    f"{exc.strerror or exc}", adapter_id=self._adapter_id,
+                                    cause="read_error") from exc
         if got == 0:
             raise SourceChanged(f"{self._locator} shrank while it was copied",
                                 adapter_id=self._adapter_id, cause="object_changed")

@@ -116,6 +116,11 @@ class Metrics:
             "lora_sidecar_quarantined", "Folders moved aside because they were not valid.",
             registry=r,
         )
+        self.registry_skipped_folders = Gauge(
+            "lora_sidecar_registry_skipped_folders",
+            "Folders in the registry's last listing that were left out: names that are not "
+            "valid adapter ids (and, in a local registry, symbolic links).", registry=r,
+        )
         self.catalog_adapters = Gauge(
             "lora_sidecar_catalog_adapters", "Adapters the rendered multi_lora.json lists by "
             "their own names.",

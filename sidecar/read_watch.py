@@ -38,7 +38,6 @@ class ReadWatch:
         self._libc: ctypes.CDLL | None = None
         self._keys: dict[int, Key] = {}  # watch descriptor -> spare
         self._wds: dict[Key, int] = {}
-        self._read: set[Key] = set()
         self.problem: str | None = None
         try:
             name = ctypes.util.find_library("c")
@@ -79,9 +78,6 @@ class ReadWatch:
         if wd is not None and self._libc is not None and self._fd is not None:
             self._keys.pop(wd, None)
             self._libc.inotify_rm_watch(self._fd, wd)
-
-    def watched(self, key: Key) -> bool:
-        return key in self._wds
 
     def drain(self) -> set[Key]:
         """Every watched spare read since the last drain (a few system calls: fits the loop).

@@ -1,6 +1,6 @@
 """Structural checks of a safetensors file: a bounded header reader stricter than the reference
-one (rules D1-D14 of the vLLM adapter checklist), a cross-check with the `safetensors` library,
-and an opt-in scan of tensor values for NaN and infinity.
+one (rules D1-D14 of the vLLM adapter checklist) and a cross-check with the `safetensors`
+library. Tensor values (NaN, infinity) are checked in `values.py`.
 """
 
 from __future__ import annotations
@@ -12,14 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import numpy as np
 from safetensors import safe_open
 
 # A fault is (stable code, human message); validate.py adds the file name.
 Fault = tuple[str, str]
 
 HEADER_MAX_BYTES = 16 * 1024**2  # policy D14; the reference reader allows 100 MB
-VALUE_SCAN_CHUNK_BYTES = 1024**2
 _MAX_U64 = 2**64 - 1
 _ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 _METADATA_KEY = "__metadata__"
@@ -33,8 +31,6 @@ DTYPE_BITS = {
 }  # fmt: skip
 # vLLM casts whatever it finds to the LoRA dtype; integers or bools would be cast silently (B18).
 ALLOWED_DTYPES = frozenset({"F16", "BF16", "F32"})
-# For the value scan: the exponent bits that are all ones exactly for NaN and infinity.
-_EXPONENT_MASKS = {"F16": ("<u2", 0x7C00), "BF16": ("<u2", 0x7F80), "F32": ("<u4", 0x7F800000)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,19 +75,27 @@ def check_safetensors(file: BinaryIO, size_bytes: int, path: Path) -> Safetensor
         return _failed(("safetensors_header_length_invalid", f"invalid header length: "
                         f"{header_bytes} bytes claimed, but the file has {size_bytes}"))
     raw = _read_exactly(file, header_bytes)
+    tensors, faults = parse_header(raw, size_bytes)
     data_start = 8 + header_bytes
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return _failed(("safetensors_header_not_utf8", f"invalid UTF-8 in header: {exc}"))
-    header, faults = _parse_header(text)
-    if header is None:
-        return SafetensorsCheck(None, tuple(faults), data_start)
-    tensors, entry_faults = _check_entries(header, data_start, size_bytes)
-    faults.extend(entry_faults)
     if not faults and tensors is not None:
         faults.extend(_cross_check(path, tensors))
     return SafetensorsCheck(tensors, tuple(faults), data_start)
+
+
+def parse_header(raw: bytes, size_bytes: int) -> tuple[tuple[TensorInfo, ...] | None, list[Fault]]:
+    """The tensors of the header `raw` (the bytes after the 8-byte length) of a file of
+    `size_bytes`, and its faults; the value scan reads the same layout from bytes in flight."""
+    data_start = 8 + len(raw)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return None, [("safetensors_header_not_utf8", f"invalid UTF-8 in header: {exc}")]
+    header, faults = _parse_header(text)
+    if header is None:
+        return None, faults
+    tensors, entry_faults = _check_entries(header, data_start, size_bytes)
+    faults.extend(entry_faults)
+    return tensors, faults
 
 
 def _failed(fault: Fault) -> SafetensorsCheck:
@@ -293,26 +297,6 @@ def _cross_check(path: Path, tensors: Sequence[TensorInfo]) -> list[Fault]:
         return [("safetensors_rejected",
                  "the safetensors library reads the header differently from this check")]
     return []
-
-
-def find_nonfinite(file: BinaryIO, data_start: int, tensors: Iterable[TensorInfo]) -> list[str]:
-    """Names of the tensors holding a NaN or an infinity; reads every data byte once."""
-    found: list[str] = []
-    for tensor in tensors:
-        if tensor.dtype not in _EXPONENT_MASKS:
-            continue
-        word, mask = _EXPONENT_MASKS[tensor.dtype]
-        step = VALUE_SCAN_CHUNK_BYTES  # a multiple of every word size
-        file.seek(data_start + tensor.begin)
-        remaining = tensor.end - tensor.begin
-        while remaining > 0:
-            chunk = _read_exactly(file, min(step, remaining))
-            remaining -= len(chunk)
-            words = np.frombuffer(chunk, dtype=word)
-            if np.any((words & mask) == mask):
-                found.append(tensor.name)
-                break
-    return found
 
 
 def _u64_list(value: object) -> list[int] | None:

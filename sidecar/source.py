@@ -20,7 +20,7 @@ from aiobotocore.session import get_session
 from botocore import exceptions as bce
 
 from .checksum import crc32_hex, s3_checksum_hex
-from .config import Settings, hide_password, is_valid_adapter_id
+from .config import ADAPTER_ID_PATTERN, Settings, hide_password, is_valid_adapter_id
 from .errors import (
     AdapterNotFound,
     SidecarError,
@@ -29,7 +29,9 @@ from .errors import (
     SourceUnavailable,
 )
 from .httpranges import ConnectionPool, RangeReader
-from .transfer import TransferPolicy, download
+from .logs import fields
+from .proxies import botocore_proxies
+from .transfer import Inspector, TransferPolicy, download
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +73,48 @@ class AdapterSource(Protocol):
         ...
 
     async def fetch(
-        self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None]
-    ) -> FetchedFile: ...
+        self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None],
+        *, inspect: Inspector | None = None, sha256: bool = False,
+    ) -> FetchedFile:
+        """Download one file; `inspect` sees its bytes as they land (the value check);
+        `sha256` asks for their SHA-256 (to check a SHA256SUMS) even if the registry has none."""
+        ...
 
     async def probe(self) -> None:
         """Raise a SidecarError if the registry cannot be used right now."""
         ...
 
     async def close(self) -> None: ...
+
+
+SHOWN_SKIPPED = 20  # folder names quoted in one log line
+
+
+class SkippedFolders:
+    """Registry folders a listing leaves out (names that are not adapter ids): logged once
+    each time the set changes, not at every listing, and counted in a gauge."""
+
+    def __init__(self, description: str, on_count: Callable[[int], None] | None) -> None:
+        self._description = description
+        self._on_count = on_count
+        self._last: frozenset[str] = frozenset()
+
+    def note(self, skipped: list[str]) -> None:
+        names = frozenset(skipped)
+        if self._on_count is not None:
+            self._on_count(len(names))
+        if names == self._last:
+            return
+        self._last = names
+        if not names:
+            log.info("registry %s: no folder is skipped any more", self._description)
+            return
+        shown = ", ".join(repr(name[:100]) for name in sorted(names)[:SHOWN_SKIPPED])
+        more = f" (+{len(names) - SHOWN_SKIPPED} more)" if len(names) > SHOWN_SKIPPED else ""
+        log.warning("registry %s: skipping %d folder(s) that cannot be adapters (ids match "
+                    "%s): %s%s", self._description, len(names), ADAPTER_ID_PATTERN.pattern,
+                    shown, more, extra=fields(event="registry_folders_skipped",
+                                              skipped=len(names)))
 
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-][A-Za-z0-9._ -]{0,254}$")
@@ -98,12 +134,14 @@ def is_safe_file_name(name: str) -> bool:
 class S3Source:
     """Adapters under s3://bucket/prefix/<adapter_id>/<file>."""
 
-    def __init__(self, settings: Settings, policy: TransferPolicy, on_error: Callable[[str], None]):
+    def __init__(self, settings: Settings, policy: TransferPolicy, on_error: Callable[[str], None],
+                 on_skipped: Callable[[int], None] | None = None):
         location = settings.registry.removeprefix("s3://")
         bucket, _, prefix = location.partition("/")
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.description = f"s3://{bucket}/{self.prefix}"
+        self._skipped = SkippedFolders(self.description, on_skipped)
         self._settings = settings
         self._policy = policy
         self._on_error = on_error
@@ -129,6 +167,8 @@ class S3Source:
             max_pool_connections=8,  # listing, HEAD and signing only; bytes use self._pool
             response_checksum_validation="when_required",
             signature_version="s3v4",  # presigned URLs too (botocore may default to v2)
+            # Never through a proxy for a loopback endpoint; else the usual variables.
+            proxies=botocore_proxies(self._settings.s3_endpoint_url),
         )
         self._client = await self._stack.enter_async_context(
             session.create_client(
@@ -149,6 +189,7 @@ class S3Source:
 
     async def list_adapter_ids(self) -> list[str]:
         ids: list[str] = []
+        skipped: list[str] = []
         token: str | None = None
         while True:
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.prefix,
@@ -161,9 +202,9 @@ class S3Source:
                 if is_valid_adapter_id(adapter_id):
                     ids.append(adapter_id)
                 else:
-                    log.warning("ignoring registry folder with an invalid adapter id: %r",
-                                adapter_id)
+                    skipped.append(adapter_id)
             if not page.get("IsTruncated"):
+                self._skipped.note(skipped)
                 return sorted(ids)
             token = page.get("NextContinuationToken")
 
@@ -197,14 +238,25 @@ class S3Source:
         return Listing(sorted(files, key=lambda f: f.name), unsafe)
 
     async def fetch(
-        self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None]
+        self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None],
+        *, inspect: Inspector | None = None, sha256: bool = False,
     ) -> FetchedFile:
-        # One signature for every range of the file; the ranges themselves are plain HTTP.
-        url = await self._call("presign", adapter_id, self._client.generate_presigned_url,
-                               ClientMethod="get_object",
-                               Params={"Bucket": self.bucket, "Key": file.locator},
-                               ExpiresIn=PRESIGNED_URL_TTL_S)
-        reader = RangeReader(self._pool, url, file.etag, file.size_bytes,
+        # One signature for the ranges of the file, signed again when it grows old or the
+        # registry says it expired (short-lived credentials); the ranges are plain HTTP.
+        url = await self._presign(adapter_id, file)
+        loop = asyncio.get_running_loop()
+
+        def sign() -> str:  # from a worker thread: the loop signs
+            signing = asyncio.run_coroutine_threadsafe(self._presign(adapter_id, file), loop)
+            try:
+                return signing.result(self._call_timeout_s)
+            except TimeoutError:
+                signing.cancel()
+                raise SourceUnavailable(f"signing a URL for {file.locator} took longer than "
+                                        f"{self._call_timeout_s:g}s", adapter_id=adapter_id,
+                                        cause="timeout") from None
+
+        reader = RangeReader(self._pool, url, sign, file.etag, file.size_bytes,
                              f"s3://{self.bucket}/{file.locator}", adapter_id,
                              lambda: self._on_error("get"))
         # The HEAD brings the registry's own checksums, if it keeps any, while the bytes flow;
@@ -212,17 +264,18 @@ class S3Source:
         head_task = asyncio.create_task(self._call(
             "head", adapter_id, self._client.head_object, Bucket=self.bucket, Key=file.locator,
             IfMatch=file.etag, ChecksumMode="ENABLED"))
-        wants_sha256: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        wants_sha256: asyncio.Future[bool] = loop.create_future()
 
         def answer(head: asyncio.Task[Any]) -> None:
             if not wants_sha256.done():  # a cancelled download cancelled its waiter already
-                wants_sha256.set_result(not head.cancelled() and head.exception() is None
-                                        and _checksum(head.result(), "SHA256") is not None)
+                wants_sha256.set_result(sha256 or (
+                    not head.cancelled() and head.exception() is None
+                    and _checksum(head.result(), "SHA256") is not None))
 
         head_task.add_done_callback(answer)
         try:
             digests = await download(reader.open, dest, file.size_bytes, self._policy, on_bytes,
-                                     sha256=wants_sha256)
+                                     sha256=wants_sha256, inspect=inspect)
             head = await head_task
         finally:
             if not head_task.done():
@@ -231,6 +284,13 @@ class S3Source:
         return FetchedFile(crc32_hex(digests.crc32), digests.sha256,
                            registry_crc32=_checksum(head, "CRC32"),
                            registry_sha256=_checksum(head, "SHA256"))
+
+    async def _presign(self, adapter_id: str, file: RemoteFile) -> str:
+        url: str = await self._call(
+            "presign", adapter_id, self._client.generate_presigned_url,
+            ClientMethod="get_object", Params={"Bucket": self.bucket, "Key": file.locator},
+            ExpiresIn=PRESIGNED_URL_TTL_S)
+        return url
 
     async def _call(
         self, operation: str, adapter_id: str | None, method: Any, **kwargs: Any
@@ -254,8 +314,23 @@ class S3Source:
         if isinstance(exc, bce.ClientError):
             code = str(exc.response.get("Error", {}).get("Code", ""))
             status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-                        "InvalidToken", "TokenRefreshRequired"):
+            if status == 404 and (not code or code.isdigit()) and operation != "head":
+                # S3 answers every 404 but a HEAD's with an XML error naming its code; botocore
+                # gives the bare status as the code when there is none.
+                return SourceError(f"the endpoint {self._endpoint()} answered 404 without an "
+                                   f"S3 error to a {operation} of {where}: is it an S3 "
+                                   "endpoint? Check --s3-endpoint-url", adapter_id=adapter_id,
+                                   cause="not_s3")
+            if code in ("ExpiredToken", "TokenRefreshRequired", "RequestExpired"):
+                return SourceError(f"the registry {where} says the credentials expired "
+                                   f"({code}): check this machine's clock (NTP) and that the "
+                                   "credential source renews short-lived credentials (STS, "
+                                   "IRSA)", adapter_id=adapter_id, cause="credentials_expired")
+            if code == "RequestTimeTooSkewed":
+                return SourceError(f"the registry {where} refused the request: this machine's "
+                                   "clock differs too much from the registry's; check NTP",
+                                   adapter_id=adapter_id, cause="clock")
+            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken"):
                 return SourceError(f"the registry {where} refused the credentials ({code}): "
                                    "check the AWS credential chain", adapter_id=adapter_id,
                                    cause="credentials")
@@ -267,8 +342,9 @@ class S3Source:
                 return SourceError(f"the bucket {self.bucket!r} does not exist at "
                                    f"{self._endpoint()}", adapter_id=adapter_id, cause="bucket")
             if code in ("PreconditionFailed", "NoSuchKey") or status in (404, 412):
-                return SourceChanged(f"an object of {adapter_id} changed or vanished in "
-                                     f"{where} while it was being fetched ({code or status})",
+                what = f"an object of {adapter_id}" if adapter_id else "an object"
+                return SourceChanged(f"{what} changed or vanished in {where} while it was "
+                                     f"being fetched ({code or status})",
                                      adapter_id=adapter_id, cause="object_changed")
             if status >= 500 or code in ("SlowDown", "InternalError", "ServiceUnavailable"):
                 return SourceUnavailable(f"the registry {where} failed ({code or status}) "

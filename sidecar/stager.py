@@ -20,13 +20,18 @@ from .errors import (
     InvalidAdapter,
     InvalidAdapterId,
     NotCached,
+    RegistryTransient,
     SidecarError,
     StageTimeout,
 )
 from .logs import fields
 from .metrics import Metrics
-from .source import AdapterSource, FetchedFile, Listing
+from .source import AdapterSource, FetchedFile, Listing, RemoteFile
 from .store import (
+    CHECK_REGISTRY,
+    CHECK_RULES,
+    CHECK_SHA256SUMS,
+    CHECK_VALUES,
     RECORD_NAME,
     AdapterRecord,
     AdapterStore,
@@ -34,12 +39,24 @@ from .store import (
     FileRecord,
     Lease,
     fsync_dir,
+    iso_utc,
     remove_tree,
     write_record,
 )
-from .validate import Problem, Rules, check_file_name, validate_adapter
+from .validate import (
+    CHECKSUMS_FILE,
+    WEIGHTS_FILE,
+    Problem,
+    Rules,
+    check_file_name,
+    validate_adapter,
+)
+from .values import ValueReport, ValueScan, finish_scan
 
 log = logging.getLogger(__name__)
+
+FETCH_ATTEMPTS = 3  # downloads of a file whose bytes did not arrive intact, the first included
+NOT_FOUND_MAX = 10_000  # ids remembered as not in the registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +86,7 @@ class Stager:
         metrics: Metrics,
         *,
         refusal_ttl_s: float,
+        not_found_ttl_s: float = 0.0,
         on_trash: Callable[[], None],
         on_source_result: Callable[[SidecarError | None], None] = lambda _: None,
     ) -> None:
@@ -77,10 +95,15 @@ class Stager:
         self._rules = rules
         self._metrics = metrics
         self._refusal_ttl_s = refusal_ttl_s
+        self._not_found_ttl_s = not_found_ttl_s
         self._on_trash = on_trash
         self._on_source_result = on_source_result
         self._inflight: dict[str, asyncio.Task[None]] = {}
+        # Verdicts answered again without a fetch until they expire (monotonic seconds): a
+        # refusal for --refusal-ttl, "not in the registry" for --not-found-ttl. Ids asked for
+        # are the caller's choice, so the second map is bounded.
         self._refused: dict[str, tuple[float, InvalidAdapter]] = {}
+        self._not_found: dict[str, tuple[float, AdapterNotFound]] = {}
         # Children bound once: a labels() lookup per request shows on the hit path.
         results = ("hit", "miss", "error")
         self._requests = {r: metrics.stage_requests.labels(result=r) for r in results}
@@ -125,7 +148,7 @@ class Stager:
             while True:
                 task = self._inflight.get(adapter_id)
                 if task is None:
-                    self._raise_if_refused(adapter_id)
+                    self._raise_if_remembered(adapter_id)
                     task = asyncio.create_task(self._stage_once(adapter_id),
                                                name=f"stage:{adapter_id}")
                     self._inflight[adapter_id] = task
@@ -164,19 +187,51 @@ class Stager:
                                    size_bytes=adapter.size_bytes))
         return StageResult(adapter, granted, cached)
 
-    def _raise_if_refused(self, adapter_id: str) -> None:
+    def _raise_if_remembered(self, adapter_id: str) -> None:
+        now = time.monotonic()
         refused = self._refused.get(adapter_id)
-        if refused is None:
+        if refused is not None:
+            if now < refused[0]:
+                raise refused[1].recalled()
+            del self._refused[adapter_id]
+        missing = self._not_found.get(adapter_id)
+        if missing is not None:
+            if now < missing[0]:
+                raise missing[1]
+            del self._not_found[adapter_id]
+
+    def forget(self, adapter_id: str) -> bool:
+        """Drop a remembered refusal (and "not found") so the next stage looks afresh; the
+        operator's way out after fixing an adapter in place. True if a refusal was dropped."""
+        self._not_found.pop(adapter_id, None)
+        if self._refused.pop(adapter_id, None) is None:
+            return False
+        log.info("forgot the remembered refusal of adapter_id=%s", adapter_id,
+                 extra=fields(event="refusal_forgotten", adapter_id=adapter_id))
+        return True
+
+    def _remember_not_found(self, error: AdapterNotFound) -> None:
+        if self._not_found_ttl_s <= 0 or error.adapter_id is None:
             return
-        expires_at, error = refused
-        if time.monotonic() < expires_at:
-            raise error
-        del self._refused[adapter_id]
+        now = time.monotonic()
+        if len(self._not_found) >= NOT_FOUND_MAX:
+            for adapter_id in [i for i, (until, _) in self._not_found.items() if until <= now]:
+                del self._not_found[adapter_id]
+            while len(self._not_found) >= NOT_FOUND_MAX:
+                del self._not_found[next(iter(self._not_found))]
+        remembered = AdapterNotFound(
+            f"{error.message} (remembered for {self._not_found_ttl_s:g}s, "
+            "--not-found-ttl: an adapter uploaded since is found once that has passed)",
+            adapter_id=error.adapter_id)
+        self._not_found[error.adapter_id] = (now + self._not_found_ttl_s, remembered)
 
     def _refuse(self, adapter_id: str, problems: list[Problem]) -> InvalidAdapter:
-        error = InvalidAdapter(adapter_id, [p.to_json() for p in problems])
         for code in sorted({p.code for p in problems}):
             self._metrics.validation_failures.labels(reason=code).inc()
+        refused_at = time.time()
+        until = None if self._refusal_ttl_s <= 0 else iso_utc(refused_at + self._refusal_ttl_s)
+        error = InvalidAdapter(adapter_id, [p.to_json() for p in problems],
+                               refused_at=iso_utc(refused_at), remembered_until=until)
         if self._refusal_ttl_s > 0:
             self._refused[adapter_id] = (time.monotonic() + self._refusal_ttl_s, error)
         log.warning("refused adapter_id=%s problems=%d: %s", adapter_id, len(problems),
@@ -201,16 +256,7 @@ class Stager:
             if trash:
                 await asyncio.to_thread(_remove_all, trash)
             staging = await asyncio.to_thread(self._store.new_staging_dir, adapter_id)
-            fetched = await self._fetch_all(adapter_id, listing, staging)
-            problems = [
-                problem for f, got in zip(listing.files, fetched, strict=True)
-                for problem in _checksum_problems(f.name, got)
-            ]
-            digests = {f.name: got.sha256 for f, got in zip(listing.files, fetched, strict=True)
-                       if got.sha256 is not None}
-            problems += await asyncio.to_thread(
-                validate_adapter, staging, self._rules, sha256=digests
-            )
+            fetched, problems = await self._fetch_and_validate(adapter_id, listing, staging)
             if problems:
                 raise self._refuse(adapter_id, problems)
             record = AdapterRecord(
@@ -221,14 +267,16 @@ class Stager:
                     f.name: FileRecord(f.size_bytes, f.etag, got.crc32, got.sha256)
                     for f, got in zip(listing.files, fetched, strict=True)
                 },
+                verified=_checks_passed(listing, fetched),
             )
-            await asyncio.to_thread(_seal, staging, record)
+            record = await asyncio.to_thread(_seal, staging, record)
             self._store.publish(staging, record)
             staging = None
             elapsed = time.perf_counter() - started
             self._metrics.download_duration.observe(elapsed)
-            log.info("staged adapter_id=%s bytes=%d files=%d in %.2fs (%.1f MB/s)", adapter_id,
-                     size_bytes, len(listing.files), elapsed, size_bytes / 1e6 / max(elapsed, 1e-6),
+            log.info("staged adapter_id=%s bytes=%d files=%d in %.2fs (%.1f MiB/s)", adapter_id,
+                     size_bytes, len(listing.files), elapsed,
+                     size_bytes / 1024**2 / max(elapsed, 1e-6),
                      extra=fields(event="staged", adapter_id=adapter_id, size_bytes=size_bytes,
                                   files=len(listing.files), duration_s=round(elapsed, 3)))
             # Trimmed in the same loop step as the publication, never after an await: no
@@ -255,6 +303,8 @@ class Stager:
             listing = await self._source.list_files(adapter_id)
         except SidecarError as exc:
             self._on_source_result(exc)
+            if isinstance(exc, AdapterNotFound):
+                self._remember_not_found(exc)
             raise
         self._on_source_result(None)
         problems = [
@@ -273,18 +323,68 @@ class Stager:
             raise self._refuse(adapter_id, problems)
         return listing
 
-    async def _fetch_all(
+    async def _fetch_and_validate(
         self, adapter_id: str, listing: Listing, staging: Path
-    ) -> list[FetchedFile]:
+    ) -> tuple[list[FetchedFile], list[Problem]]:
+        """Download every file, then the verdict on the folder.
+
+        Bytes that differ from the registry's own checksum, a file that cannot be read back,
+        or a SHA256SUMS mismatch that a second download does not repeat are faults of the
+        transfer, not of the adapter: those files are fetched afresh (FETCH_ATTEMPTS in all),
+        and if the fault persists the stage fails with RegistryTransient, which nothing
+        remembers. The tensor values are checked by the download, in the bytes it reads.
+        """
+        files = {f.name: f for f in listing.files}
+        # With a SHA256SUMS to check, files are hashed as they land, not read again after.
+        sha256 = CHECKSUMS_FILE in files
+        got = await self._fetch_all(adapter_id, listing.files, staging, sha256)
+        crc_before: dict[str, str] = {}  # of files fetched again: the previous download's
+        for attempt in range(1, FETCH_ATTEMPTS + 1):
+            transfer_faults = [problem for f in listing.files
+                               for problem in _checksum_problems(f.name, got[f.name][0])]
+            digests = {name: fetched.sha256 for name, (fetched, _) in got.items()
+                       if fetched.sha256 is not None}
+            scanned = {name: report for name, (_, report) in got.items() if report is not None}
+            problems = await asyncio.to_thread(validate_adapter, staging, self._rules,
+                                               sha256=digests, scanned=scanned)
+            suspects = _suspect_files(problems, got, crc_before) | {
+                p.file for p in transfer_faults}
+            if not suspects:
+                return [got[f.name][0] for f in listing.files], problems
+            faults = transfer_faults + [p for p in problems if p.file in suspects
+                                        or p.code == "read_error"]
+            if attempt == FETCH_ATTEMPTS:
+                raise RegistryTransient(
+                    f"adapter {adapter_id} did not arrive intact in {FETCH_ATTEMPTS} "
+                    f"downloads: {'; '.join(f'{p.file}: {p.message}' for p in faults[:3])}. "
+                    "Nothing is remembered: ask again. If it persists, check what lies between "
+                    "this node and the registry (a proxy that rewrites bodies), the cache "
+                    "volume (read errors in the kernel log) and the stored objects",
+                    adapter_id=adapter_id, cause=faults[0].code)
+            names = sorted(suspects & files.keys() or files.keys())
+            log.warning("adapter_id=%s: %s; downloading %s again (attempt %d of %d)",
+                        adapter_id, "; ".join(f"{p.code} {p.file}" for p in faults[:3]),
+                        ", ".join(names), attempt + 1, FETCH_ATTEMPTS,
+                        extra=fields(event="refetch", adapter_id=adapter_id,
+                                     problems=sorted({p.code for p in faults})))
+            crc_before = {name: got[name][0].crc32 for name in names}
+            await asyncio.to_thread(_unlink_all, [staging / name for name in names])
+            got.update(await self._fetch_all(adapter_id, [files[n] for n in names], staging,
+                                             sha256))
+        raise AssertionError("FETCH_ATTEMPTS is at least 1")
+
+    async def _fetch_all(
+        self, adapter_id: str, files: list[RemoteFile], staging: Path, sha256: bool
+    ) -> dict[str, tuple[FetchedFile, ValueReport | None]]:
         def count(n: int) -> None:
             self._metrics.download_bytes.inc(n)
 
-        tasks = [
-            asyncio.create_task(self._source.fetch(adapter_id, f, staging / f.name, count))
-            for f in listing.files
-        ]
+        tasks = [asyncio.create_task(self._fetch_one(adapter_id, f, staging / f.name, count,
+                                                     sha256 and f.name != CHECKSUMS_FILE))
+                 for f in files]
         try:
-            return list(await asyncio.gather(*tasks))
+            return {f.name: result
+                    for f, result in zip(files, await asyncio.gather(*tasks), strict=True)}
         except BaseException as exc:
             for task in tasks:  # one file failed: stop the others before the folder goes
                 task.cancel()
@@ -292,6 +392,37 @@ class Stager:
             if isinstance(exc, SidecarError):
                 self._on_source_result(exc)
             raise
+
+    async def _fetch_one(
+        self, adapter_id: str, file: RemoteFile, dest: Path, count: Callable[[int], None],
+        sha256: bool,
+    ) -> tuple[FetchedFile, ValueReport | None]:
+        """One file; the weights' tensor values are checked in the chunks the download
+        reads, and what it could not check in flight is read back at the end."""
+        if file.name != WEIGHTS_FILE:
+            return await self._source.fetch(adapter_id, file, dest, count, sha256=sha256), None
+        scan = ValueScan(file.size_bytes)
+        fetched = await self._source.fetch(adapter_id, file, dest, count, inspect=scan,
+                                           sha256=sha256)
+        return fetched, await asyncio.to_thread(finish_scan, scan, dest)
+
+
+def _suspect_files(problems: list[Problem], got: dict[str, tuple[FetchedFile, ValueReport | None]],
+                   crc_before: dict[str, str]) -> set[str]:
+    """Files whose problems may come from the transfer rather than the adapter: unreadable
+    ones, and SHA256SUMS mismatches of bytes neither the registry's checksum nor a second
+    download with the same CRC-32 vouches for."""
+    suspects = set()
+    for problem in problems:
+        if problem.code == "read_error":
+            suspects.add(problem.file)
+        elif problem.code == "checksum_mismatch" and problem.file in got:
+            fetched = got[problem.file][0]
+            vouched = (fetched.registry_crc32 is not None or fetched.registry_sha256 is not None
+                       or crc_before.get(problem.file) == fetched.crc32)
+            if not vouched:
+                suspects.add(problem.file)
+    return suspects
 
 
 def _checksum_problems(name: str, got: FetchedFile) -> list[Problem]:
@@ -306,14 +437,30 @@ def _checksum_problems(name: str, got: FetchedFile) -> list[Problem]:
     ]
 
 
+def _unlink_all(paths: list[Path]) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
+
+
 def _remove_all(folders: list[Path]) -> None:
     for folder in folders:
         remove_tree(folder)
 
 
-def _seal(staging: Path, record: AdapterRecord) -> None:
-    write_record(staging, record)
+def _checks_passed(listing: Listing, fetched: list[FetchedFile]) -> tuple[str, ...]:
+    checks = [CHECK_RULES, CHECK_VALUES]
+    if any(got.registry_crc32 or got.registry_sha256 for got in fetched):
+        checks.append(CHECK_REGISTRY)
+    if any(f.name == CHECKSUMS_FILE for f in listing.files):
+        checks.append(CHECK_SHA256SUMS)
+    return tuple(checks)
+
+
+def _seal(staging: Path, record: AdapterRecord) -> AdapterRecord:
+    """Write the record (with the files' times, as sealed) and make the folder durable."""
+    sealed = write_record(staging, record)
     fsync_dir(staging)
+    return sealed
 
 
 def _log_failure(adapter_id: str, error: SidecarError, elapsed_s: float) -> None:

@@ -15,6 +15,7 @@ import re
 import secrets
 import shutil
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -23,8 +24,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .config import is_valid_adapter_id
+from .checksum import crc32_hex
+from .config import format_size, is_valid_adapter_id
 from .errors import AdapterInUse, CacheFull, LeaseNotFound, NotCached
+from .leases import JOURNAL_NAME, JournalLease, LeaseJournal, lease_digest
 from .logs import fields
 from .metrics import CacheSnapshot, Metrics
 
@@ -62,6 +65,24 @@ class FileRecord:
     etag: str
     crc32: str  # 8 hex digits, computed while the bytes streamed
     sha256: str | None = None  # when the registry gave one to check against
+    mtime_ns: int | None = None  # when sealed: a restart trusts the checks only if unchanged
+
+
+class RecordStale(ValueError):
+    """The files have the recorded sizes but not the recorded modification times: copied
+    without their times, or rewritten in place. Only re-reading them can tell which."""
+
+    def __init__(self, message: str, record: AdapterRecord, mtimes: Mapping[str, int]) -> None:
+        super().__init__(message)
+        self.record = record
+        self.mtimes = dict(mtimes)
+
+
+# What a record's `verified` may list: checks the bytes passed before publication.
+CHECK_REGISTRY = "registry_checksum"  # the registry's full-object CRC-32 or SHA-256
+CHECK_SHA256SUMS = "sha256sums"  # the adapter's own SHA256SUMS file
+CHECK_RULES = "validation"  # the validation rules of the sidecar that published it
+CHECK_VALUES = "finite_values"  # every tensor value read and found finite
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +93,9 @@ class AdapterRecord:
     source: str
     staged_at: float
     files: Mapping[str, FileRecord]
+    # What the bytes passed before publication (the CHECK_* names), trusted by a restart while
+    # every file keeps its recorded size and modification time: nothing is re-hashed.
+    verified: tuple[str, ...] = ()
     size_bytes: int = field(init=False, compare=False)  # summed once: read on every hit
 
     def __post_init__(self) -> None:
@@ -85,12 +109,19 @@ class AdapterRecord:
             "size_bytes": self.size_bytes,
             "staged_at": iso_utc(self.staged_at),
             "staged_at_unix": self.staged_at,
+            "verified": list(self.verified),
             "files": {
                 name: {"size_bytes": f.size_bytes, "etag": f.etag, "crc32": f.crc32,
-                       "sha256": f.sha256}
+                       "sha256": f.sha256, "mtime_ns": f.mtime_ns}
                 for name, f in sorted(self.files.items())
             },
         }
+
+    def with_times(self, mtimes: Mapping[str, int]) -> AdapterRecord:
+        """The same record with each file's modification time as found on disk."""
+        files = {name: FileRecord(f.size_bytes, f.etag, f.crc32, f.sha256, mtimes.get(name))
+                 for name, f in self.files.items()}
+        return AdapterRecord(self.adapter_id, self.source, self.staged_at, files, self.verified)
 
     @classmethod
     def from_json(cls, data: object) -> AdapterRecord:
@@ -105,19 +136,23 @@ class AdapterRecord:
             if not isinstance(entry, dict):
                 raise ValueError(f"bad entry for {name!r}")
             size, etag = entry.get("size_bytes"), entry.get("etag")
-            crc, sha = entry.get("crc32"), entry.get("sha256")
+            crc, sha, mtime = entry.get("crc32"), entry.get("sha256"), entry.get("mtime_ns")
             if not (isinstance(size, int) and size >= 0 and isinstance(etag, str)
                     and isinstance(crc, str) and _HEX8.fullmatch(crc)
-                    and (sha is None or (isinstance(sha, str) and _HEX64.fullmatch(sha)))):
+                    and (sha is None or (isinstance(sha, str) and _HEX64.fullmatch(sha)))
+                    and (mtime is None or isinstance(mtime, int))):
                 raise ValueError(f"bad entry for {name!r}")
-            files[name] = FileRecord(size, etag, crc, sha)
+            files[name] = FileRecord(size, etag, crc, sha, mtime)
         adapter_id, source, staged_at = (
             data.get("adapter_id"), data.get("source"), data.get("staged_at_unix"),
         )
         if not (isinstance(adapter_id, str) and isinstance(source, str)
                 and isinstance(staged_at, int | float)):
             raise ValueError("missing adapter_id, source or staged_at")
-        return cls(adapter_id, source, float(staged_at), files)
+        verified = data.get("verified", [])  # absent from records of older versions
+        if not (isinstance(verified, list) and all(isinstance(v, str) for v in verified)):
+            raise ValueError("bad verified list")
+        return cls(adapter_id, source, float(staged_at), files, tuple(verified))
 
 
 @dataclass(slots=True)
@@ -138,7 +173,8 @@ class CachedAdapter:
 class Lease(NamedTuple):
     lease_id: str
     adapter_id: str
-    expires_at: float  # unix seconds
+    expires_at: float  # on the store's monotonic clock: what expiry compares against
+    expires_at_unix: float  # the same moment on the wall clock, for callers to read
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,12 +191,6 @@ class Reservation:
     size_bytes: int
 
 
-@dataclass(slots=True)
-class RecoveryReport:
-    adopted: list[str] = field(default_factory=list)
-    quarantined: dict[str, str] = field(default_factory=dict)  # folder name -> reason
-
-
 class AdapterStore:
     def __init__(
         self,
@@ -173,6 +203,7 @@ class AdapterStore:
         metrics: Metrics,
         max_leases: int = 100_000,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.root = root
         self.adapters_dir = root / "adapters"
@@ -184,14 +215,18 @@ class AdapterStore:
         self.min_free_bytes = min_free_bytes
         self.lease_ttl_s = lease_ttl_s
         self._metrics = metrics
-        self._clock = clock
+        self._clock = clock  # the wall clock: staged_at, last_used, what callers read
+        self._monotonic = monotonic  # lease expiry: immune to the wall clock being stepped
         self._index: OrderedDict[str, CachedAdapter] = OrderedDict()  # LRU first
-        # lease_id -> (adapter_id, expires_at), in expiry order. Plain tuples of a str and a
-        # float, which the garbage collector stops tracking: callers that never release can
-        # leave hundreds of thousands of leases, and tracked objects made every full
-        # collection a pause of tens of milliseconds on the hit path. An OrderedDict, because
-        # finding the oldest entry of a plain dict skips every slot deleted before it.
-        self._leases: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        # lease key -> (adapter_id, expires_at on the monotonic clock, the id's digest in the
+        # journal), in expiry order. The key is the lease id, or "#" + its digest for a lease
+        # read back from the journal (only digests are written there; "#" never starts an id
+        # we hand out). Plain tuples of strs and a float, which the garbage collector stops
+        # tracking: callers that never
+        # release can leave hundreds of thousands of leases, and tracked objects made every
+        # full collection a pause of tens of milliseconds on the hit path. An OrderedDict,
+        # because finding the oldest entry of a plain dict skips every slot deleted before it.
+        self._leases: OrderedDict[str, tuple[str, float, str]] = OrderedDict()
         self._lease_counts: dict[str, int] = {}  # adapter_id -> live leases
         self.max_leases = max_leases
         self._random_pool: list[str] = []
@@ -204,6 +239,11 @@ class AdapterStore:
         # keeps its files), and after one vanished or changed outside the sidecar.
         self.before_evict: Callable[[str, Path], None] = lambda adapter_id, folder: None
         self.after_forget: Callable[[str], None] = lambda adapter_id: None
+        self.journal: LeaseJournal | None = None  # set by the recovery, once it is read
+
+    @property
+    def journal_path(self) -> Path:
+        return self.root / JOURNAL_NAME
 
     # ---- start-up ----------------------------------------------------------------------
 
@@ -214,32 +254,42 @@ class AdapterStore:
         for folder in (self.staging_dir, self.trash_dir):
             for entry in list(folder.iterdir()):
                 _remove_tree(entry)
+        own_probe = f".write-probe.{os.getpid()}"  # the health check's, running meanwhile
         for probe in self.root.glob(".write-probe.*"):  # left by a process killed mid-probe
-            probe.unlink(missing_ok=True)
+            if probe.name != own_probe:
+                probe.unlink(missing_ok=True)
 
-    def scan(self, check: Callable[[Path, AdapterRecord], list[str]]) -> tuple[
-        list[AdapterRecord], RecoveryReport
-    ]:
-        """Read every published folder's record (blocking: run in a thread).
+    def published_folders(self) -> list[Path]:
+        """Every entry of `adapters/` (blocking: run in a thread)."""
+        return sorted(self.adapters_dir.iterdir())
 
-        `check` returns the problems of a folder (validation); a folder without a valid
-        record, with files that disagree with it, or with problems is quarantined.
+    def recover_folder(
+        self, entry: Path, check: Callable[[Path, AdapterRecord], list[str]]
+    ) -> AdapterRecord:
+        """Read one published folder's record and check it (blocking: run in a thread).
+
+        A record whose files keep their recorded sizes and times is trusted: the bytes passed
+        their checksums before publication and nothing has written them since, so only
+        `check` (the rules, from headers) runs. Files with other times are re-read once and
+        compared with their recorded CRC-32s. A folder without a valid record, with other
+        files, or with problems is quarantined (ValueError says why).
         """
-        report = RecoveryReport()
-        records = []
-        for entry in sorted(self.adapters_dir.iterdir()):
+        try:
+            if entry.is_dir() and not entry.is_symlink():
+                (entry / f"{RECORD_NAME}.new").unlink(missing_ok=True)  # a rewrite cut short
             try:
                 record = self.read_record(entry)
-                problems = check(entry, record)
-                if problems:
-                    raise ValueError("; ".join(problems))
-            except ValueError as exc:
-                self.quarantine(entry, str(exc))
-                report.quarantined[entry.name] = str(exc)
-                continue
-            records.append(record)
-            report.adopted.append(record.adapter_id)
-        return records, report
+            except RecordStale as stale:
+                record = _reverified(entry, stale)
+            problems = check(entry, record)
+            if problems:
+                raise ValueError("; ".join(problems))
+        except (ValueError, OSError) as exc:
+            reason = str(exc) if isinstance(exc, ValueError) else (
+                f"cannot read it: {exc.strerror or exc}")
+            self.quarantine(entry, reason)
+            raise ValueError(reason) from None
+        return record
 
     def read_record(self, folder: Path) -> AdapterRecord:
         """The folder's record, checked against the files present (stat only, no hashing)."""
@@ -262,15 +312,21 @@ class AdapterStore:
             raise ValueError(f"{RECORD_NAME} is not valid: {exc}") from None
         if record.adapter_id != folder.name:
             raise ValueError(f"{RECORD_NAME} names another adapter ({record.adapter_id!r})")
-        present = {}
+        present, mtimes = {}, {}
         for entry in os.scandir(folder):
             if entry.name == RECORD_NAME:
                 continue
             st = entry.stat(follow_symlinks=False)
             present[entry.name] = st.st_size if entry.is_file(follow_symlinks=False) else -1
+            mtimes[entry.name] = st.st_mtime_ns
         expected = {name: f.size_bytes for name, f in record.files.items()}
         if present != expected:
             raise ValueError(f"files on disk differ from {RECORD_NAME}")
+        changed = sorted(name for name, f in record.files.items()
+                         if f.mtime_ns is not None and mtimes[name] != f.mtime_ns)
+        if changed:
+            raise RecordStale(f"{', '.join(changed)} modified since {RECORD_NAME} was "
+                              "written", record, mtimes)
         return record
 
     def install(self, records: Iterable[AdapterRecord]) -> None:
@@ -323,16 +379,21 @@ class AdapterStore:
     # ---- hit path: lookup, LRU touch, lease ---------------------------------------------
 
     def lease(self, adapter_id: str) -> Lease:
-        """Touch and lease a cached adapter (KeyError if it is not cached)."""
+        """Touch and lease a cached adapter (KeyError if it is not cached). The grant is in
+        the journal before this returns, so it outlives a crash of the process."""
         adapter = self._index[adapter_id]
-        now = self._clock()
+        now, monotonic_now = self._clock(), self._monotonic()
+        expires_at = monotonic_now + self.lease_ttl_s
         adapter.last_used = now
         self._index.move_to_end(adapter_id)
-        lease = Lease(self._new_lease_id(), adapter_id, now + self.lease_ttl_s)
-        self._leases[lease.lease_id] = (adapter_id, lease.expires_at)
+        lease = Lease(self._new_lease_id(), adapter_id, expires_at, now + self.lease_ttl_s)
+        digest = lease_digest(lease.lease_id)
+        self._leases[lease.lease_id] = (adapter_id, expires_at, digest)
         self._lease_counts[adapter_id] = self._lease_counts.get(adapter_id, 0) + 1
+        if self.journal is not None:
+            self.journal.granted(digest, adapter_id, self.lease_ttl_s, now, monotonic_now)
         if len(self._leases) > self.max_leases:
-            self._drop_oldest_lease(now)
+            self._drop_oldest_lease(monotonic_now)
         return lease
 
     def _new_lease_id(self) -> str:
@@ -346,8 +407,8 @@ class AdapterStore:
     def _drop_oldest_lease(self, now: float) -> None:
         """Past --max-leases someone is not releasing: the oldest lease ends early, so memory
         stays bounded. A request still running after that many newer ones is not plausible."""
-        lease_id, (adapter_id, _) = next(iter(self._leases.items()))
-        self._end_lease(lease_id)
+        lease_id, (adapter_id, _, _) = next(iter(self._leases.items()))
+        self._end_lease(lease_id, journal=False)  # a restart applies the same cap
         self._metrics.leases_expired.inc()
         if now - self._lease_cap_warned_at >= 60:
             self._lease_cap_warned_at = now
@@ -361,20 +422,26 @@ class AdapterStore:
         self._index.move_to_end(adapter_id)
 
     def release(self, lease_id: str) -> Lease:
-        if lease_id not in self._leases:
-            raise LeaseNotFound(f"no live lease {lease_id!r} (released or expired already)")
-        return self._end_lease(lease_id)
+        key = lease_id
+        if key not in self._leases and not key.startswith("#"):
+            key = "#" + lease_digest(lease_id)  # granted before a restart
+        if key not in self._leases:
+            raise LeaseNotFound(f"no live lease {lease_id[:80]!r} (released or expired "
+                                "already)")
+        return self._end_lease(key)._replace(lease_id=lease_id)
 
     def expire_leases(self) -> list[Lease]:
-        """Drop leases past their expiry. Every lease gets the same TTL, so `_leases` (in
-        insertion order) is in expiry order: the sweep stops at the first live one."""
-        now = self._clock()
+        """Drop leases past their expiry. Every lease gets the same TTL (leases read back from
+        the journal expire sooner), so `_leases`, in insertion order, is in expiry order: the
+        sweep stops at the first live one."""
+        now = self._monotonic()
         ended = []
-        for lease_id, (_, expires_at) in self._leases.items():
+        for lease_id, (_, expires_at, _) in self._leases.items():
             if expires_at > now:
                 break
             ended.append(lease_id)
-        expired = [self._end_lease(lease_id) for lease_id in ended]
+        # Expiry needs no journal line: a restart works it out from the grant's time.
+        expired = [self._end_lease(lease_id, journal=False) for lease_id in ended]
         if expired:
             self._metrics.leases_expired.inc(len(expired))
         for lease in expired[:EXPIRY_LOG_LINES]:
@@ -389,8 +456,13 @@ class AdapterStore:
         return expired
 
     def next_lease_expiry(self) -> float | None:
+        """On the store's monotonic clock."""
         first = next(iter(self._leases.values()), None)
         return None if first is None else first[1]
+
+    def seconds_to_next_expiry(self) -> float | None:
+        first = self.next_lease_expiry()
+        return None if first is None else first - self._monotonic()
 
     def lease_count(self, adapter_id: str) -> int:
         return self._lease_counts.get(adapter_id, 0)
@@ -399,16 +471,47 @@ class AdapterStore:
         """A scan: only forced and external evictions need the ids, and they are rare."""
         if adapter_id not in self._lease_counts:
             return []
-        return sorted(i for i, (held, _) in self._leases.items() if held == adapter_id)
+        return sorted(i for i, (held, _, _) in self._leases.items() if held == adapter_id)
 
-    def _end_lease(self, lease_id: str) -> Lease:
-        adapter_id, expires_at = self._leases.pop(lease_id)
+    def _end_lease(self, lease_id: str, *, journal: bool = True) -> Lease:
+        adapter_id, expires_at, digest = self._leases.pop(lease_id)
         left = self._lease_counts[adapter_id] - 1
         if left:
             self._lease_counts[adapter_id] = left
         else:
             del self._lease_counts[adapter_id]
-        return Lease(lease_id, adapter_id, expires_at)
+        if journal and self.journal is not None:
+            self.journal.ended(digest)
+        expires_in_s = expires_at - self._monotonic()
+        return Lease(lease_id, adapter_id, expires_at, self._clock() + expires_in_s)
+
+    # ---- the lease journal ----------------------------------------------------------------
+
+    def restore_leases(self, leases: Iterable[JournalLease]) -> int:
+        """Take back the leases a previous process granted (soonest to expire first), for
+        adapters still in the index; before any trim. Returns how many were restored."""
+        now = self._monotonic()
+        restored = 0
+        for lease in sorted(leases, key=lambda lease: lease.remaining_s):
+            key = "#" + lease.digest
+            if lease.adapter_id not in self._index or key in self._leases:
+                continue
+            # Never beyond the TTL of leases granted from now on: the expiry order holds.
+            remaining_s = min(lease.remaining_s, self.lease_ttl_s)
+            self._leases[key] = (lease.adapter_id, now + remaining_s, lease.digest)
+            self._lease_counts[lease.adapter_id] = self._lease_counts.get(lease.adapter_id, 0) + 1
+            restored += 1
+        return restored
+
+    @property
+    def live_lease_count(self) -> int:
+        return len(self._leases)
+
+    def live_leases(self) -> list[tuple[str, str, float]]:
+        """(digest, adapter_id, remaining seconds) of every live lease, for the journal."""
+        now = self._monotonic()
+        return [(digest, adapter_id, expires_at - now)
+                for adapter_id, expires_at, digest in self._leases.values()]
 
     # ---- claims: a caller that will lease an adapter once its stage finishes ------------
 
@@ -462,10 +565,11 @@ class AdapterStore:
         pinned_bytes = sum(a.size_bytes for a in pinned)
         if size_bytes > room_bytes:
             raise CacheFull(
-                f"adapter {adapter_id} needs {size_bytes} bytes but only {max(room_bytes, 0)} "
-                f"of the {self.max_bytes}-byte budget can be made free ({held_bytes} bytes are "
-                f"held by {len(held)} pinned or leased adapters, {reserved_bytes} by downloads "
-                "in progress)",
+                f"adapter {adapter_id} needs {format_size(size_bytes)} but only "
+                f"{format_size(max(room_bytes, 0))} of the {format_size(self.max_bytes)} budget "
+                f"(--max-bytes) can be made free ({format_size(held_bytes)} are held by "
+                f"{len(held)} pinned or leased adapters, {format_size(reserved_bytes)} by "
+                "downloads in progress)",
                 adapter_id=adapter_id,
                 retryable=size_bytes <= self.max_bytes - pinned_bytes,
             )
@@ -503,10 +607,11 @@ class AdapterStore:
                 freed += self._index[candidate].size_bytes
         if free + freed < needed_bytes:
             raise CacheFull(
-                f"adapter {adapter_id} needs {needed_bytes} bytes on disk but the cache "
-                f"filesystem has {max(free, 0)} bytes free above the {self.min_free_bytes}-byte "
-                f"floor, and evicting every unpinned, unleased adapter would free only {freed} "
-                "more; nothing was evicted",
+                f"adapter {adapter_id} needs {format_size(needed_bytes)} on disk but the cache "
+                f"filesystem has {format_size(max(free, 0))} free above the "
+                f"{format_size(self.min_free_bytes)} floor (--min-free-disk), and evicting every "
+                f"unpinned, unleased adapter would free only {format_size(freed)} more; nothing "
+                "was evicted",
                 adapter_id=adapter_id,
                 retryable=needed_bytes <= shutil.disk_usage(self.root).total - self.min_free_bytes,
             )
@@ -638,18 +743,60 @@ def remove_tree(path: Path) -> None:
     _remove_tree(path)
 
 
-def write_record(folder: Path, record: AdapterRecord, *, dir_fd: int | None = None) -> None:
-    """Write `.sidecar.json` into a folder, fsynced (blocking: run in a thread). With `dir_fd`
-    (the folder, opened) the record lands in that folder even if it was renamed meanwhile."""
-    path = folder / RECORD_NAME if dir_fd is None else Path(RECORD_NAME)
+def write_record(folder: Path, record: AdapterRecord, *, dir_fd: int | None = None,
+                 name: str = RECORD_NAME) -> AdapterRecord:
+    """Write `.sidecar.json` into a folder, fsynced, with each file's modification time as it
+    is now (blocking: run in a thread); returns the record written. With `dir_fd` (the folder,
+    opened) the record lands in that folder even if it was renamed meanwhile."""
+    base = folder if dir_fd is None else Path()
+    mtimes = {file: os.stat(base / file, dir_fd=dir_fd, follow_symlinks=False).st_mtime_ns
+              for file in record.files}
+    record = record.with_times(mtimes)
     data = json.dumps(record.to_json(), indent=2).encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644,
+    fd = os.open(base / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644,
                  dir_fd=dir_fd)
     try:
         os.write(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)
+    return record
+
+
+def add_verified(folder: Path, record: AdapterRecord, check: str) -> AdapterRecord:
+    """Rewrite a published folder's record with one more passed check (blocking; a rename, so
+    a crash leaves the old record or the new one)."""
+    updated = AdapterRecord(record.adapter_id, record.source, record.staged_at, record.files,
+                            (*record.verified, check))
+    fresh = write_record(folder, updated, name=f"{RECORD_NAME}.new")
+    os.replace(folder / f"{RECORD_NAME}.new", folder / RECORD_NAME)
+    fsync_dir(folder)
+    return fresh
+
+
+def _reverified(folder: Path, stale: RecordStale) -> AdapterRecord:
+    """Re-read files whose times changed; if every CRC-32 still matches the record, the checks
+    made before publication still hold: rewrite the record with the new times (a rename, so a
+    crash leaves the old record or the new one) and trust it again."""
+    record = stale.record
+    for name, recorded in sorted(record.files.items()):
+        if recorded.mtime_ns is None or stale.mtimes.get(name) == recorded.mtime_ns:
+            continue
+        fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        crc = 0
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            while chunk := f.read(1024 * 1024):
+                crc = zlib.crc32(chunk, crc)
+        if crc32_hex(crc) != recorded.crc32:
+            raise ValueError(f"{name} changed since it was verified (CRC-32 {crc32_hex(crc)}, "
+                             f"{RECORD_NAME} says {recorded.crc32})")
+    fresh = write_record(folder, record, name=f"{RECORD_NAME}.new")
+    os.replace(folder / f"{RECORD_NAME}.new", folder / RECORD_NAME)
+    fsync_dir(folder)
+    log.info("re-read adapter_id=%s: files had new modification times but the recorded "
+             "bytes; record updated", record.adapter_id,
+             extra=fields(event="record_refreshed", adapter_id=record.adapter_id))
+    return fresh
 
 
 def fsync_dir(path: Path) -> None:

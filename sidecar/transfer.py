@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import hashlib
 import logging
 import os
 import random
+import threading
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,11 +39,13 @@ class RangeStream(Protocol):
         ...
 
     def close(self) -> None:
-        """The body was read to its end: release (or reuse) the connection."""
+        """Done with it, from the thread that read it: a body read to its end lets its
+        connection be reused; any other is closed."""
         ...
 
     def abort(self) -> None:
-        """Give up part-way, from any thread: a read blocked in another thread ends."""
+        """Give up part-way, from any thread: a read blocked in another thread ends (with an
+        error); `close()` still follows once no thread reads."""
         ...
 
 
@@ -131,41 +135,87 @@ class _Progress:
 
 
 class _Threads:
-    """Worker-thread jobs of one download. A thread cannot be cancelled, so the download
-    waits for every job it started before it closes the file they write to."""
+    """Worker-thread jobs of one download. A thread cannot be cancelled, so a descriptor its
+    jobs use is closed only once none is running (`close_when_idle`), and the download waits
+    for every job it started before it returns."""
 
     def __init__(self, executor: concurrent.futures.ThreadPoolExecutor | None) -> None:
         self._executor = executor or _shared_executor()
         self._running: set[concurrent.futures.Future[Any]] = set()
+        self._lock = threading.Lock()  # done callbacks run in the worker threads
+        self._to_close: list[int] = []
 
     def submit(self, fn: Callable[..., _T], *args: Any) -> concurrent.futures.Future[_T]:
         future = self._executor.submit(fn, *args)
-        self._running.add(future)
-        future.add_done_callback(self._running.discard)
+        with self._lock:
+            self._running.add(future)
+        future.add_done_callback(self._finished)
         return future
+
+    def _finished(self, future: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._running.discard(future)
+            closing, self._to_close = (self._to_close, []) if not self._running else ([], [])
+        for fd in closing:
+            os.close(fd)
+
+    def close_when_idle(self, fd: int) -> None:
+        """Close `fd` now, or when the last running job ends if any is running."""
+        with self._lock:
+            if self._running:
+                self._to_close.append(fd)
+                return
+        os.close(fd)
 
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.wrap_future(self.submit(fn, *args))
 
-    async def open(self, open_range: OpenRange, start: int, end: int) -> RangeStream:
-        """A range opened in a worker thread. When the download is cancelled meanwhile, the
-        thread still finishes opening it; the stream it opens is then aborted, never left
-        holding a connection."""
-        future = self.submit(open_range, start, end)
+    async def acquire(self, release: Callable[[_T], object], fn: Callable[..., _T],
+                      *args: Any) -> _T:
+        """`fn(*args)` in a worker thread, for something that must be released (a descriptor,
+        a connection). When the caller is cancelled meanwhile, the thread still finishes and
+        what it acquired is released then, never leaked."""
+        future = self.submit(fn, *args)
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
-            future.add_done_callback(_abort_opened)
+            future.add_done_callback(functools.partial(_release_acquired, release))
             raise
 
     async def drain(self) -> None:
-        if self._running:
-            await asyncio.to_thread(concurrent.futures.wait, list(self._running))
+        with self._lock:
+            running = list(self._running)
+        if running:
+            await asyncio.to_thread(concurrent.futures.wait, running)
 
 
-def _abort_opened(future: concurrent.futures.Future[RangeStream]) -> None:
+def _release_acquired(release: Callable[[_T], object],
+                      future: concurrent.futures.Future[_T]) -> None:
     if not future.cancelled() and future.exception() is None:
-        future.result().abort()
+        release(future.result())
+
+
+def _discard(stream: RangeStream) -> None:
+    """A range opened after its download was cancelled: nothing reads it."""
+    stream.abort()
+    stream.close()
+
+
+async def open_in_thread(executor: concurrent.futures.ThreadPoolExecutor | None,
+                         path: str | Path, flags: int) -> int:
+    """os.open in a worker thread (a slow filesystem never blocks the loop); a descriptor
+    opened after the caller was cancelled is closed, not leaked."""
+    return await _Threads(executor).acquire(os.close, os.open, path, flags)
+
+
+class Inspector(Protocol):
+    """Something that looks at the bytes of one download as they land (the value check)."""
+
+    def stream(self, offset: int) -> Callable[[int, memoryview], None]:
+        """The callback of one sequential read starting at `offset`: called from one worker
+        thread at a time with each chunk, once it is written and hashed; it may overwrite the
+        chunk, which is scratch space by then."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,41 +232,57 @@ async def download(
     on_bytes: Callable[[int], None] = lambda _: None,
     *,
     sha256: asyncio.Future[bool] | bool = False,
+    inspect: Inspector | None = None,
+    owned_fds: tuple[int, ...] = (),
 ) -> Digests:
     """Write the object to `dest` (created, pre-sized) and return its checksums.
 
     `sha256` says whether to compute a SHA-256 too; it may be a future that answers while
-    the bytes already flow (the hash reads what is on disk in order and catches up). The file
-    is fsynced before returning. On any error the partial file is left for the caller to
-    delete with its staging folder.
+    the bytes already flow (the hash reads what is on disk in order and catches up).
+    `inspect` sees every chunk in the worker thread that wrote it. `owned_fds` (descriptors
+    the ranges read from) are closed here, once no worker thread uses them. The file is
+    fsynced before returning. On any error the partial file is left for the caller to delete
+    with its staging folder.
     """
-    fd = await asyncio.to_thread(_open_presized, dest, size_bytes)
     threads = _Threads(policy.executor)
     try:
+        fd = await threads.acquire(os.close, _open_presized, dest, size_bytes)
+    except BaseException:
+        for owned in owned_fds:
+            os.close(owned)
+        raise
+    tasks: list[asyncio.Task[Any]] = []
+    try:
         progress = _Progress(size_bytes, part_starts(size_bytes, policy))
-        hasher = asyncio.create_task(_hash_if_wanted(sha256, dest, size_bytes, progress))
+        hasher = asyncio.create_task(
+            _hash_if_wanted(sha256, dest, size_bytes, progress, threads))
+        tasks.append(hasher)
         parts = [
             asyncio.create_task(
-                _fetch_part(open_range, fd, i, progress, policy, threads, on_bytes)
+                _fetch_part(open_range, fd, i, progress, policy, threads, on_bytes, inspect)
             )
             for i in range(len(progress.starts))
         ]
-        try:
-            await asyncio.gather(*parts)
-            digest = await hasher
-        finally:
-            for task in (*parts, hasher):
-                task.cancel()
-            await asyncio.gather(*parts, hasher, return_exceptions=True)
-            await threads.drain()
-        await asyncio.to_thread(os.fsync, fd)
+        tasks.extend(parts)
+        await asyncio.gather(*parts)
+        digest = await hasher
+        await threads.run(os.fsync, fd)
         crc = progress.crc32[0]
         for part in range(1, len(progress.starts)):
             length = progress.ends[part] - progress.starts[part]
             crc = crc32_combine(crc, progress.crc32[part], length)
         return Digests(crc, digest)
     finally:
-        os.close(fd)
+        for task in tasks:
+            task.cancel()
+        # A second cancellation may cut these waits short; the descriptor still outlives
+        # every thread that writes to it.
+        try:
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await threads.drain()
+        finally:
+            for owned in (fd, *owned_fds):
+                threads.close_when_idle(owned)
 
 
 def _open_presized(dest: Path, size_bytes: int) -> int:
@@ -244,6 +310,7 @@ async def _fetch_part(
     policy: TransferPolicy,
     threads: _Threads,
     on_bytes: Callable[[int], None],
+    inspect: Inspector | None,
 ) -> None:
     end = progress.ends[part]
     attempt = 0
@@ -251,7 +318,7 @@ async def _fetch_part(
         attempt += 1
         try:
             async with policy.limiter:
-                await _stream_part(open_range, fd, part, progress, threads, on_bytes)
+                await _stream_part(open_range, fd, part, progress, threads, on_bytes, inspect)
         except SourceUnavailable as exc:
             if attempt >= policy.attempts or not exc.retryable:
                 raise
@@ -268,6 +335,7 @@ async def _stream_part(
     progress: _Progress,
     threads: _Threads,
     on_bytes: Callable[[int], None],
+    inspect: Inspector | None,
 ) -> None:
     """Read the rest of one part to disk in one worker-thread job (a job per chunk left the
     socket unread while each hop waited for the loop); what arrived before a fault stays,
@@ -283,11 +351,14 @@ async def _stream_part(
     def report(offset_after: int, crc: int, count: int) -> None:  # from the worker thread
         loop.call_soon_threadsafe(landed, offset_after, crc, count)
 
-    stream = await threads.open(open_range, offset, end)
+    stream = await threads.acquire(_discard, open_range, offset, end)
+    copy: concurrent.futures.Future[tuple[int, int, SidecarError | None]] | None = None
     try:
-        reached, crc, error = await threads.run(
-            _copy_range, stream, fd, offset, end, progress.crc32[part], report
+        look = inspect.stream(offset) if inspect is not None else None
+        copy = threads.submit(
+            _copy_range, stream, fd, offset, end, progress.crc32[part], report, look
         )
+        reached, crc, error = await asyncio.wrap_future(copy)
         # Reports queued by the thread run before this line; set the final state regardless.
         progress.advance(part, reached)
         progress.crc32[part] = crc
@@ -298,18 +369,23 @@ async def _stream_part(
                 f"the registry ended a range {end - reached} bytes short", cause="short_body"
             )
     except BaseException:
-        stream.abort()
+        stream.abort()  # a read still blocked in the worker thread ends
+        if copy is None:
+            stream.close()
+        else:  # closed once the thread is done with it, never under its read
+            copy.add_done_callback(lambda _: stream.close())
         raise
     stream.close()
 
 
 def _copy_range(
     stream: RangeStream, fd: int, offset: int, end: int, crc: int,
-    report: Callable[[int, int, int], None],
+    report: Callable[[int, int, int], None], look: Callable[[int, memoryview], None] | None,
 ) -> tuple[int, int, SidecarError | None]:
     """Worker thread: copy [offset, end) from the stream to the file a buffer at a time,
-    with a running CRC-32. Returns how far it got, the CRC of the part up to there, and the
-    fault that stopped it early, if any; bytes that arrived before a fault are kept."""
+    with a running CRC-32, handing each chunk to `look` last (it may overwrite the buffer).
+    Returns how far it got, the CRC of the part up to there, and the fault that stopped it
+    early, if any; bytes that arrived before a fault are kept."""
     buffer = bytearray(min(CHUNK_BYTES, end - offset))
     view = memoryview(buffer)
     while offset < end:
@@ -328,6 +404,8 @@ def _copy_range(
             chunk = view[:got]
             _pwrite_all(fd, [chunk], offset)
             crc = zlib.crc32(chunk, crc)
+            if look is not None:
+                look(offset, chunk)
             offset += got
             report(offset, crc, got)
         if error is not None or got < want:
@@ -351,14 +429,16 @@ def _pwrite_all(fd: int, buffers: list[bytes] | list[memoryview], offset: int) -
 
 
 async def _hash_if_wanted(
-    wanted: asyncio.Future[bool] | bool, path: Path, size_bytes: int, progress: _Progress
+    wanted: asyncio.Future[bool] | bool, path: Path, size_bytes: int, progress: _Progress,
+    threads: _Threads,
 ) -> str | None:
     if not (wanted if isinstance(wanted, bool) else await wanted):
         return None
-    return await _hash_in_order(path, size_bytes, progress)
+    return await _hash_in_order(path, size_bytes, progress, threads)
 
 
-async def _hash_in_order(path: Path, size_bytes: int, progress: _Progress) -> str:
+async def _hash_in_order(path: Path, size_bytes: int, progress: _Progress,
+                         threads: _Threads) -> str:
     """Hash bytes as soon as every byte before them is on disk (read back from the page
     cache), so the digest is ready moments after the last part lands."""
     digest = hashlib.sha256()
@@ -366,7 +446,7 @@ async def _hash_in_order(path: Path, size_bytes: int, progress: _Progress) -> st
     # One buffer reused for every read: a fresh 4 MiB object per read left the allocator's
     # per-thread arenas holding tens of MB for the rest of the process's life.
     buffer = bytearray(HASH_CHUNK_BYTES)
-    read_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    read_fd = await threads.acquire(os.close, os.open, path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         while hashed < size_bytes:
             ready = progress.contiguous_end()
@@ -376,10 +456,10 @@ async def _hash_in_order(path: Path, size_bytes: int, progress: _Progress) -> st
                     await progress.changed.wait()
                 continue
             length = min(ready - hashed, HASH_CHUNK_BYTES)
-            await asyncio.to_thread(_hash_range, read_fd, digest, buffer, hashed, length)
+            await threads.run(_hash_range, read_fd, digest, buffer, hashed, length)
             hashed += length
     finally:
-        os.close(read_fd)
+        threads.close_when_idle(read_fd)  # a read may still run if this task was cancelled
     return digest.hexdigest()
 
 

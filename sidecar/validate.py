@@ -19,8 +19,9 @@ from typing import BinaryIO, TextIO
 from .adapter_config import LoraConfig, check_adapter_config
 from .config import LLAMA_TARGET_MODULES, Settings
 from .errors import ConfigError
-from .safetensors_check import TensorInfo, check_safetensors, find_nonfinite, shown
+from .safetensors_check import TensorInfo, check_safetensors, shown
 from .shapes import ATTENTION_MODULES, ModelShapes
+from .values import Layout, NonFinite, ValueReport, scan_file
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -111,13 +112,20 @@ def validate_adapter(
     rules: Rules,
     *,
     sha256: Mapping[str, str] | None = None,
-    scan_values: bool = False,
+    scan_values: bool = True,
+    scanned: Mapping[str, ValueReport] | None = None,
+    checksums: bool = True,
 ) -> list[Problem]:
     """Every problem of the adapter in `folder`; [] when it is valid. Never raises for what the
-    folder holds. `sha256` maps file names to digests already computed while downloading.
-    `scan_values` also reads every tensor value to refuse NaN and infinity (slower)."""
+    folder holds. `sha256` maps file names to digests already computed while downloading;
+    `scanned` maps file names to value checks already made while downloading.
+    `scan_values=False` leaves the tensor values unread (a restart: they were checked before
+    publication), except when the weights are read anyway to check a SHA256SUMS file.
+    `checksums=False` leaves out hashing the files listed in SHA256SUMS (a restart re-checks
+    the rules of a published folder, whose bytes its record vouches for)."""
     problems, readable = _check_folder(folder)
     config: LoraConfig | None = None
+    digests = dict(sha256 or {})
     # A file that cannot be read (a race with a deletion, an I/O error) is that file's problem.
     if CONFIG_FILE in readable:
         try:
@@ -126,13 +134,20 @@ def validate_adapter(
         except OSError as exc:
             problems.append(_read_error(CONFIG_FILE, exc))
     if WEIGHTS_FILE in readable:
+        # The weights are read at most once: their SHA-256 for SHA256SUMS in the same pass.
+        hash_too = checksums and CHECKSUMS_FILE in readable and WEIGHTS_FILE not in digests
         try:
-            problems.extend(_check_weights(folder, rules, config, scan_values))
+            weight_problems, digest = _check_weights(
+                folder, rules, config, scan_values=scan_values, hash_too=hash_too,
+                scanned=(scanned or {}).get(WEIGHTS_FILE))
+            problems.extend(weight_problems)
+            if digest is not None:
+                digests[WEIGHTS_FILE] = digest
         except OSError as exc:
             problems.append(_read_error(WEIGHTS_FILE, exc))
-    if CHECKSUMS_FILE in readable:
+    if CHECKSUMS_FILE in readable and checksums:
         try:
-            problems.extend(_check_checksums(folder, readable, sha256 or {}))
+            problems.extend(_check_checksums(folder, readable, digests))
         except OSError as exc:
             problems.append(_read_error(CHECKSUMS_FILE, exc))
     return _bounded(problems)
@@ -223,22 +238,36 @@ def _check_config(folder: Path, rules: Rules) -> tuple[list[Problem], LoraConfig
 
 
 def _check_weights(
-    folder: Path, rules: Rules, config: LoraConfig | None, scan_values: bool
-) -> list[Problem]:
+    folder: Path, rules: Rules, config: LoraConfig | None, *, scan_values: bool,
+    hash_too: bool, scanned: ValueReport | None,
+) -> tuple[list[Problem], str | None]:
+    """The weights' problems, and their SHA-256 when `hash_too` (None if not computed)."""
     path = folder / WEIGHTS_FILE
     with _open_regular(path) as f:
-        checked = check_safetensors(f, os.fstat(f.fileno()).st_size, path)
+        size_bytes = os.fstat(f.fileno()).st_size
+        checked = check_safetensors(f, size_bytes, path)
         problems = [Problem(code, WEIGHTS_FILE, message) for code, message in checked.faults]
         if checked.tensors is None:
-            return problems
+            return problems, None
         problems.extend(_check_tensors(checked.tensors, config, rules, folder))
-        if scan_values and not problems:
-            problems.extend(
-                Problem("nonfinite_values", WEIGHTS_FILE, f"tensor `{shown(name)}` holds NaN "
-                        "or infinite values")
-                for name in find_nonfinite(f, checked.data_start, checked.tensors)
-            )
-    return problems
+        if checked.faults:
+            return problems, None  # values of a file whose layout is wrong mean nothing
+        report = scanned if scanned is not None and scanned.complete else None
+        digest = None
+        if (report is None and scan_values) or hash_too:
+            hasher = hashlib.sha256() if hash_too else None
+            report = scan_file(f.fileno(), size_bytes,
+                               Layout(checked.tensors, checked.data_start), hasher)
+            digest = hasher.hexdigest() if hasher is not None else None
+    if report is not None:
+        problems.extend(_non_finite_problem(found) for found in report.nonfinite)
+    return problems, digest
+
+
+def _non_finite_problem(found: NonFinite) -> Problem:
+    return _tensor_problem("non_finite_weights", f"tensor `{shown(found.tensor)}` holds "
+                           f"{found.describe()}: vLLM serves such an adapter with empty text "
+                           "and corrupts the next answer of another adapter")
 
 
 def _check_tensors(
@@ -302,16 +331,20 @@ def _check_coverage(config: LoraConfig, module_paths: set[str], rules: Rules) ->
         problems.append(_tensor_problem("tensor_module_not_targeted", f"{_listed(untargeted)} "
                                         "hold LoRA tensors, but target_modules does not name "
                                         "them: vLLM would apply them, PEFT never trained them"))
+    # A module the config targets that no tensor carries at all: an export that lost it. (A
+    # module present in some layers only is left alone: PEFT initialises the others as no-ops.)
+    carried = {p.rsplit(".", 1)[-1] for p in module_paths}
     if rules.shapes is not None:
-        candidates = [f"model.layers.{layer}.{'self_attn' if m in ATTENTION_MODULES else 'mlp'}"
-                      f".{m}" for layer in range(rules.shapes.num_hidden_layers)
-                      for m in sorted(rules.allowed_target_modules)
-                      if rules.shapes.module_dims(m) is not None]
-        lacking = [c for c in candidates if config.targets_module(c) and c not in module_paths]
+        layout = {m: [f"model.layers.{layer}."
+                      f"{'self_attn' if m in ATTENTION_MODULES else 'mlp'}.{m}"
+                      for layer in range(rules.shapes.num_hidden_layers)]
+                  for m in sorted(rules.allowed_target_modules)
+                  if rules.shapes.module_dims(m) is not None}
+        lacking = [m for m, paths in layout.items()
+                   if m not in carried and any(config.targets_module(p) for p in paths)]
     elif config.targets is not None and config.targets.regex is None:
-        # Without the base model's layout, only a name no tensor carries can be told.
-        lacking = [n for n in config.targets.names
-                   if not any(p == n or p.endswith("." + n) for p in module_paths)]
+        # Without the base model's layout, only a listed name no tensor carries can be told.
+        lacking = [n for n in config.targets.names if n.rsplit(".", 1)[-1] not in carried]
     else:
         lacking = []
     if lacking:

@@ -36,8 +36,19 @@ from .checksum import crc32_hex
 from .config import is_valid_adapter_id
 from .logs import fields
 from .metrics import Metrics
-from .store import RECORD_NAME, AdapterRecord, AdapterStore, CachedAdapter, FileRecord, write_record
-from .validate import Problem, Rules, validate_adapter
+from .store import (
+    CHECK_RULES,
+    CHECK_SHA256SUMS,
+    CHECK_VALUES,
+    RECORD_NAME,
+    AdapterRecord,
+    AdapterStore,
+    CachedAdapter,
+    FileRecord,
+    write_record,
+)
+from .validate import CHECKSUMS_FILE, WEIGHTS_FILE, Problem, Rules, validate_adapter
+from .values import ValueReport, ValueScan
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +286,10 @@ class Watcher:
                 self._quarantine(adapter_id, folder, before, f"not valid: {reason}",
                                  inspection.problems)
                 return
-            record = AdapterRecord(adapter_id, ADOPTED_SOURCE, time.time(), inspection.files)
+            checks = (CHECK_RULES, CHECK_VALUES, CHECK_SHA256SUMS) if (
+                CHECKSUMS_FILE in inspection.files) else (CHECK_RULES, CHECK_VALUES)
+            record = AdapterRecord(adapter_id, ADOPTED_SOURCE, time.time(), inspection.files,
+                                   checks)
             try:
                 if not await asyncio.to_thread(_write_record_into, folder, before, record):
                     return
@@ -302,18 +316,23 @@ class Watcher:
         """Hash and validate a folder (in threads); None if it changed while being read."""
         before = await asyncio.to_thread(_snapshot, folder)
         files: dict[str, FileRecord] = {}
+        scanned: dict[str, ValueReport] = {}  # values checked in the hashing pass
         problems: list[Problem] = []
         for name, (mode, _, _) in sorted(before.items()):
             if name == RECORD_NAME or not stat.S_ISREG(mode):
                 continue  # a record copied from elsewhere is replaced; validation names others
             try:
-                size_bytes, crc32, sha256 = await asyncio.to_thread(_hash_file, folder / name)
+                size_bytes, crc32, sha256, report = await asyncio.to_thread(
+                    _hash_file, folder / name, name == WEIGHTS_FILE)
             except OSError as exc:
                 problems.append(Problem("read_error", name, f"cannot read it: {exc}"))
                 continue
             files[name] = FileRecord(size_bytes, "", crc32, sha256)
+            if report is not None:
+                scanned[name] = report
         digests = {name: f.sha256 for name, f in files.items() if f.sha256}
-        problems += await asyncio.to_thread(validate_adapter, folder, self._rules, sha256=digests)
+        problems += await asyncio.to_thread(validate_adapter, folder, self._rules,
+                                            sha256=digests, scanned=scanned)
         # A copy made in one long system call (copy_file_range, a reflink) sends no event
         # until it ends; growing sizes or times still show it is not finished.
         if await asyncio.to_thread(_snapshot, folder) != before:
@@ -373,18 +392,28 @@ def _snapshot(folder: Path) -> _Snapshot:
     return shot
 
 
-def _hash_file(path: Path) -> tuple[int, str, str]:
-    """(bytes read, CRC-32 hex, SHA-256 hex) of a regular file, never following a link."""
+def _hash_file(path: Path, scan_values: bool) -> tuple[int, str, str, ValueReport | None]:
+    """(bytes read, CRC-32 hex, SHA-256 hex, and the tensor values' check when asked) of a
+    regular file, in one pass, never following a link."""
     digest = hashlib.sha256()
     crc = 0
     size_bytes = 0
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb", buffering=0) as f:
-        while chunk := f.read(HASH_CHUNK_BYTES):
+    try:
+        scan = ValueScan(os.fstat(fd).st_size) if scan_values else None
+        feed = scan.stream(0) if scan is not None else None
+        buffer = bytearray(HASH_CHUNK_BYTES)
+        while got := os.readv(fd, [buffer]):
+            chunk = memoryview(buffer)[:got]
             digest.update(chunk)
             crc = zlib.crc32(chunk, crc)
-            size_bytes += len(chunk)
-    return size_bytes, crc32_hex(crc), digest.hexdigest()
+            if feed is not None:
+                feed(size_bytes, chunk)  # last: it may overwrite the chunk
+            size_bytes += got
+        report = scan.finish(fd) if scan is not None else None
+    finally:
+        os.close(fd)
+    return size_bytes, crc32_hex(crc), digest.hexdigest(), report
 
 
 def _write_record_into(folder: Path, expected: os.stat_result, record: AdapterRecord) -> bool:

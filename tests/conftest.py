@@ -143,7 +143,11 @@ def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
         "s3_max_attempts": "3",
         "min_free_bytes": "0",
     })
-    return dataclasses.replace(base, **overrides)
+    settings = dataclasses.replace(base, **overrides)
+    if not settings.is_s3:
+        # A local registry folder that does not exist stops the start (sidecar/preflight.py).
+        Path(settings.registry).mkdir(parents=True, exist_ok=True)
+    return settings
 
 
 def s3_settings(tmp_path: Path, s3: S3Registry, **overrides: Any) -> Settings:

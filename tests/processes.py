@@ -23,10 +23,13 @@ def free_port() -> int:
 
 
 class SidecarProcess:
-    """`python -m sidecar serve` in a child process, started and answering /healthz."""
+    """`python -m sidecar serve` in a child process, started and answering /healthz, and
+    (unless `wait_recovered` is false) done re-indexing its cache: `GET /adapters` waits for
+    that, while /healthz answers from the moment the port is bound."""
 
     def __init__(self, args: list[str], log_path: Path,
-                 env: Mapping[str, str] | None = None, port: int | None = None) -> None:
+                 env: Mapping[str, str] | None = None, port: int | None = None, *,
+                 wait_recovered: bool = True, cwd: Path | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -34,12 +37,14 @@ class SidecarProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "sidecar", "serve", "--port", str(self.port), *args],
             stdout=self._log, stderr=subprocess.STDOUT,
-            env=dict(os.environ if env is None else env),
+            env=dict(os.environ if env is None else env), cwd=cwd,
         )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
                 urllib.request.urlopen(f"{self.url}/healthz", timeout=1).close()
+                if wait_recovered:
+                    urllib.request.urlopen(f"{self.url}/adapters", timeout=30).close()
                 return
             except OSError:
                 if self.process.poll() is not None:
@@ -68,13 +73,26 @@ class SidecarProcess:
 
 def stage_blocking(url: str, adapter_id: str, timeout_s: float,
                    **fields: object) -> tuple[int, dict[str, object]]:
-    body = {"adapter_id": adapter_id, **fields}
+    return post_blocking(url, "/stage", {"adapter_id": adapter_id, **fields}, timeout_s)
+
+
+def post_blocking(url: str, path: str, body: Mapping[str, object],
+                  timeout_s: float = 30) -> tuple[int, dict[str, object]]:
+    """One JSON POST; (status, parsed answer), error statuses included."""
     request = urllib.request.Request(
-        f"{url}/stage", data=json.dumps(body).encode(), method="POST",
+        f"{url}{path}", data=json.dumps(body).encode(), method="POST",
         headers={"Content-Type": "application/json"},
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def get_blocking(url: str, path: str, timeout_s: float = 30) -> tuple[int, dict[str, object]]:
+    try:
+        with urllib.request.urlopen(f"{url}{path}", timeout=timeout_s) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())

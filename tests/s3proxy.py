@@ -24,6 +24,7 @@ class Seen:
     path: str  # without the query string
     query: str
     range: str | None
+    peer: tuple[str, int] | None = None  # the client's address and port: its connection
 
 
 Fault = Callable[[web.Request, Seen], Awaitable[web.StreamResponse | None]]
@@ -86,8 +87,14 @@ async def drop_connection(request: web.Request, seen: Seen) -> web.StreamRespons
 
 
 class S3Proxy:
-    def __init__(self, upstream: str) -> None:
+    """`keepalive_timeout_s` closes a client's connection once it has idled that long, as S3
+    front ends do; `host` is the address to listen on."""
+
+    def __init__(self, upstream: str, *, keepalive_timeout_s: float = 3630.0,
+                 host: str = "127.0.0.1") -> None:
         self.upstream = upstream.rstrip("/")
+        self.keepalive_timeout_s = keepalive_timeout_s
+        self.host = host
         self.seen: list[Seen] = []
         self.fault: Fault | None = None
         self.body_faults: list[BodyFault] = []
@@ -103,7 +110,7 @@ class S3Proxy:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> None:
         self._thread.start()
@@ -149,9 +156,10 @@ class S3Proxy:
         self._session = aiohttp.ClientSession(auto_decompress=False)
         app = web.Application(client_max_size=1024**3)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
+                                     keepalive_timeout=self.keepalive_timeout_s)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, self.host, 0)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
@@ -162,8 +170,9 @@ class S3Proxy:
             await self._session.close()
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        peer = request.transport.get_extra_info("peername") if request.transport else None
         seen = Seen(request.method, request.path, request.query_string,
-                    request.headers.get("Range"))
+                    request.headers.get("Range"), tuple(peer[:2]) if peer else None)
         with self._lock:
             self.seen.append(seen)
         if self.fault is not None:

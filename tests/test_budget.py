@@ -9,7 +9,15 @@ from pathlib import Path
 import aiohttp
 
 from sidecar.app import Sidecar
-from tests.conftest import StartSidecar, call, local_registry_adapter, make_settings
+from tests.conftest import (
+    S3Registry,
+    StartSidecar,
+    call,
+    local_registry_adapter,
+    make_settings,
+    s3_settings,
+)
+from tests.s3proxy import drop_connection
 
 
 def cached_ids(tmp_path: Path) -> set[str]:
@@ -211,17 +219,20 @@ async def test_pin_and_unpin_through_the_api(
     assert cached_ids(tmp_path) == {"b"}
 
 
-async def test_readyz_waits_for_a_pin_that_cannot_be_staged(
-    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+async def test_readyz_waits_for_a_pin_while_the_registry_cannot_be_asked(
+    tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession
 ) -> None:
-    (tmp_path / "registry").mkdir()
-    sidecar = await start_sidecar(make_settings(tmp_path, pin=("later",)))
+    # A registry that does not answer at start cannot say whether a pin exists: the sidecar
+    # starts, not ready, and stages the pin once the registry is back.
+    s3.proxy.fault = drop_connection
+    sidecar = await start_sidecar(s3_settings(tmp_path, s3, pin=("later",)))
     status, body = await call(http, "GET", f"{sidecar.url}/readyz")
     assert status == 503
     assert "later" in body["message"]
 
-    local_registry_adapter(tmp_path, "later")
-    for _ in range(100):
+    s3.put_adapter("later")
+    s3.proxy.fault = None
+    for _ in range(300):
         status, body = await call(http, "GET", f"{sidecar.url}/readyz")
         if status == 200:
             break

@@ -120,8 +120,8 @@ class World:
                              max_adapters=settings.max_adapters, min_free_bytes=0,
                              lease_ttl_s=600, metrics=self.metrics)
         store.prepare()
-        records, _ = store.scan(lambda folder, record: [])
-        store.install(records)
+        store.install([store.recover_folder(folder, lambda folder, record: [])
+                       for folder in store.published_folders()])
         policy = TransferPolicy(part_size_bytes=8 << 20, attempts=1, limiter=asyncio.Semaphore(4))
         self.stager = Stager(store, LocalSource(Path(settings.registry), policy), rules,
                              self.metrics, refusal_ttl_s=0, on_trash=lambda: None)

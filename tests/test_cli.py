@@ -10,12 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from sidecar.app import Sidecar
-from sidecar.config import OPTIONS, Settings
+from sidecar.config import OPTIONS, Settings, format_size, parse_size
 from sidecar.errors import ConfigError
-from tests.conftest import StartSidecar, local_registry_adapter, make_settings
+from tests.conftest import StartSidecar, call, local_registry_adapter, make_settings
 
 
 async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
@@ -150,3 +151,122 @@ async def test_client_commands_report_an_unreachable_sidecar() -> None:
     code, _, err = await run_cli("ls", "--url", "http://127.0.0.1:9")
     assert code == 1
     assert "cannot reach the sidecar" in err
+
+
+async def test_evict_of_a_leased_adapter_names_the_force_flag(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    local_registry_adapter(tmp_path, "a")
+    sidecar = await start_sidecar(make_settings(tmp_path))
+    status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "a"})
+    assert status == 200, body
+
+    code, _, err = await run_cli("evict", "a", "--url", sidecar.url)
+    assert code == 1
+    assert "held by 1 live lease(s)" in err
+    assert "lora-sidecar evict a --force" in err
+    assert "force=true" not in err
+
+    code, out, err = await run_cli("evict", "a", "--url", sidecar.url, "--force")
+    assert code == 0, err
+    assert "broke 1 lease(s)" in out
+
+
+async def test_a_refused_token_names_the_client_flag(
+    tmp_path: Path, start_sidecar: StartSidecar
+) -> None:
+    local_registry_adapter(tmp_path, "a")
+    sidecar = await start_sidecar(make_settings(tmp_path, api_token="right-token"))
+
+    code, _, err = await run_cli("pin", "a", "--url", sidecar.url)
+    assert code == 1
+    assert "unauthorized" in err
+    assert "--token" in err and "LORA_SIDECAR_API_TOKEN" in err
+    assert "pass --token TOKEN" in err
+    assert "--api-token" not in err  # the sidecar's flag, not this command's
+
+    code, _, err = await run_cli("pin", "a", "--url", sidecar.url, "--token", "wrong-token")
+    assert code == 1
+    assert "refused the token given (--token" in err
+
+    code, out, err = await run_cli("pin", "a", "--url", sidecar.url,
+                                   env={"LORA_SIDECAR_API_TOKEN": "right-token"})
+    assert code == 0, err
+    assert out.startswith("pinned a")
+
+
+async def test_unpin_tells_whether_the_adapter_was_pinned(
+    tmp_path: Path, start_sidecar: StartSidecar
+) -> None:
+    local_registry_adapter(tmp_path, "a")
+    sidecar = await start_sidecar(make_settings(tmp_path))
+
+    code, out, _ = await run_cli("unpin", "a", "--url", sidecar.url)
+    assert code == 0
+    assert out.strip() == "a was not pinned; nothing changed"
+
+    code, _, err = await run_cli("pin", "a", "--url", sidecar.url)
+    assert code == 0, err
+    code, out, _ = await run_cli("unpin", "a", "--url", sidecar.url)
+    assert code == 0
+    assert out.strip() == "unpinned a"
+    assert sidecar.store.is_pinned("a") is False
+
+
+def test_examples_say_what_they_did_with_a_folder(tmp_path: Path) -> None:
+    def examples(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "sidecar", "examples", *args],
+                              capture_output=True, text=True, timeout=60)
+
+    mine = tmp_path / "mine"
+    (mine / "my-adapter").mkdir(parents=True)
+    refused = examples(str(mine))
+    assert refused.returncode == 1
+    assert "is not empty" in refused.stderr and "'my-adapter'" in refused.stderr
+    assert "no example was written" in refused.stderr
+    assert sorted(p.name for p in mine.iterdir()) == ["my-adapter"]
+
+    skipped = examples(str(mine), "--skip-if-not-empty")
+    assert skipped.returncode == 0
+    assert "no example was written" in skipped.stdout
+
+    fresh = tmp_path / "fresh"
+    written = examples(str(fresh))
+    assert written.returncode == 0 and "wrote example adapters" in written.stdout
+    again = examples(str(fresh))
+    assert again.returncode == 0
+    assert "already in" in again.stdout
+
+
+async def test_sizes_read_back_in_the_units_they_are_given_in(
+    tmp_path: Path, start_sidecar: StartSidecar
+) -> None:
+    local_registry_adapter(tmp_path, "a")
+    default_budget = next(o.default for o in OPTIONS if o.field == "max_bytes")
+    sidecar = await start_sidecar(make_settings(
+        tmp_path, max_bytes=parse_size(default_budget)))
+    code, out, err = await run_cli("stage", "a", "--url", sidecar.url)
+    assert code == 0, err
+    size = sidecar.store.get("a")
+    assert size is not None
+    assert f"({format_size(size.size_bytes)})" in out and "KiB" in out
+
+    code, out, _ = await run_cli("ls", "--url", sidecar.url)
+    assert code == 0
+    assert out.rstrip().endswith(f"of {default_budget.replace('GiB', ' GiB')}")
+    for option in OPTIONS:
+        if option.metavar == "SIZE":  # every size option reads back as it is written
+            shown = format_size(parse_size(option.default))
+            assert shown.replace(" ", "") == option.default
+
+
+def test_decimal_size_units_are_refused_naming_the_binary_one(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sidecar", "serve", "--max-bytes", "500GB",
+         "--min-free-disk", "1G", "--registry", str(tmp_path)],
+        capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert "write 500GiB" in result.stderr and "write 1GiB" in result.stderr
+    with pytest.raises(ValueError):
+        parse_size("20GB")
+    assert parse_size("20Gi") == parse_size("20GiB") == 20 * 1024**3

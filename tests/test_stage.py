@@ -270,7 +270,7 @@ async def test_stage_that_cannot_fit_the_budget_is_507(
     status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "too-big"})
     assert status == 507
     assert body["error"] == "cache_full"
-    assert "1000-byte budget" in body["message"]
+    assert "of the 1000 B budget (--max-bytes)" in body["message"]
     assert body["retryable"] is False  # larger than the whole budget
     assert leftovers(tmp_path / "cache") == []
     assert list((tmp_path / "cache" / "adapters").iterdir()) == []

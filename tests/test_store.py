@@ -23,7 +23,7 @@ class Clock:
 def store_with_adapter(tmp_path: Path, clock: Clock) -> AdapterStore:
     store = AdapterStore(tmp_path, max_bytes=10**9, max_adapters=10, min_free_bytes=0,
                          lease_ttl_s=60.0, metrics=Metrics(CollectorRegistry(), process=False),
-                         clock=clock)
+                         clock=clock, monotonic=clock)
     store.install([AdapterRecord("a", "test", clock(), {"w": FileRecord(10, "e", "0" * 64)})])
     return store
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -85,16 +88,16 @@ class _OpenedRange:
     """A range stream that only records how it ended."""
 
     def __init__(self) -> None:
-        self.ended: str | None = None
+        self.ended: list[str] = []
 
     def readinto(self, buffer: memoryview) -> int:
         raise AssertionError("a cancelled download must not read")
 
     def close(self) -> None:
-        self.ended = "closed"
+        self.ended.append("closed")
 
     def abort(self) -> None:
-        self.ended = "aborted"
+        self.ended.append("aborted")
 
 
 async def test_a_range_opened_after_its_download_was_cancelled_is_aborted(
@@ -122,4 +125,157 @@ async def test_a_range_opened_after_its_download_was_cancelled_is_aborted(
     proceed.set()
     with pytest.raises(asyncio.CancelledError):
         await download
-    assert [stream.ended for stream in opened] == ["aborted"]
+    # Aborted (never back to a pool half-read), then closed.
+    assert [stream.ended for stream in opened] == [["aborted", "closed"]]
+
+
+# ---- descriptors and worker threads: a thread cannot be cancelled ---------------------------
+
+
+class _BytesRange:
+    """A range of an in-memory object."""
+
+    def __init__(self, data: bytes, start: int, end: int) -> None:
+        self._data, self._offset, self._end = data, start, end
+
+    def readinto(self, buffer: memoryview) -> int:
+        n = min(len(buffer), self._end - self._offset)
+        buffer[:n] = self._data[self._offset:self._offset + n]
+        self._offset += n
+        return n
+
+    def close(self) -> None:
+        return None
+
+    def abort(self) -> None:
+        return None
+
+
+def _open_to(path: Path) -> list[int]:
+    """This process's descriptors open on `path`."""
+    found = []
+    for entry in Path("/proc/self/fd").iterdir():
+        try:
+            if os.readlink(entry) == str(path):
+                found.append(int(entry.name))
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor)
+    return found
+
+
+class _Gate:
+    """Holds a worker thread inside a call until the test lets it go."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.entered = asyncio.Event()
+        self.proceed = threading.Event()
+
+    def hold(self) -> None:  # in the worker thread
+        self._loop.call_soon_threadsafe(self.entered.set)
+        assert self.proceed.wait(10)
+
+
+async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition never met"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_file_opened_after_its_download_was_cancelled_is_closed_not_leaked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A slow filesystem: the worker thread is still creating the file when the download is
+    # cancelled (another file of the adapter failed, the caller gave up).
+    gate = _Gate(asyncio.get_running_loop())
+    real_open = transfer._open_presized
+
+    def slow_open(dest: Path, size_bytes: int) -> int:
+        gate.hold()
+        return real_open(dest, size_bytes)
+
+    monkeypatch.setattr(transfer, "_open_presized", slow_open)
+    dest = tmp_path / "f"
+    data = os.urandom(1000)
+    policy = transfer.TransferPolicy(8 << 20, 1, asyncio.Semaphore(1), 1)
+    download = asyncio.create_task(transfer.download(
+        lambda start, end: _BytesRange(data, start, end), dest, len(data), policy))
+    await asyncio.wait_for(gate.entered.wait(), 10)
+    download.cancel()
+    gate.proceed.set()
+    with pytest.raises(asyncio.CancelledError):
+        await download
+
+    await _until(lambda: dest.exists() and not _open_to(dest))
+
+
+async def test_a_second_cancel_during_clean_up_never_closes_a_file_a_thread_still_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A worker thread is blocked in a write (a slow disk) when the download is cancelled;
+    # while the clean-up waits for that thread, a second cancel arrives. The descriptor must
+    # stay open until the thread is done: closed early, its number goes to the next file
+    # opened, and the late write lands in that file.
+    gate = _Gate(asyncio.get_running_loop())
+    real_pwrite = transfer._pwrite_all
+
+    def slow_write(fd: int, buffers: list[memoryview], offset: int) -> int:
+        gate.hold()
+        return real_pwrite(fd, buffers, offset)
+
+    monkeypatch.setattr(transfer, "_pwrite_all", slow_write)
+    dest = tmp_path / "f"
+    data = os.urandom(100_000)
+    policy = transfer.TransferPolicy(8 << 20, 1, asyncio.Semaphore(1), 1)
+    download = asyncio.create_task(transfer.download(
+        lambda start, end: _BytesRange(data, start, end), dest, len(data), policy))
+    await asyncio.wait_for(gate.entered.wait(), 10)
+    download.cancel()
+    await asyncio.sleep(0.2)  # the clean-up now waits for the blocked thread
+    download.cancel()
+    await asyncio.gather(download, return_exceptions=True)
+
+    other = tmp_path / "another-file"
+    fd = os.open(other, os.O_RDWR | os.O_CREAT, 0o644)  # the lowest free number
+    try:
+        gate.proceed.set()
+        await _until(lambda: not _open_to(dest))  # closed once the thread is done
+        assert os.fstat(fd).st_size == 0, "the late write landed in another file"
+    finally:
+        os.close(fd)
+    assert dest.read_bytes()[:1000] == data[:1000]
+
+
+async def test_the_hasher_never_closes_a_file_a_thread_still_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gate = _Gate(asyncio.get_running_loop())
+    real_hash = transfer._hash_range
+    read_from: list[str] = []
+
+    def slow_hash(fd: int, digest: Any, buffer: bytearray, offset: int, length: int) -> None:
+        gate.hold()
+        read_from.append(os.readlink(f"/proc/self/fd/{fd}"))  # what the number means now
+        real_hash(fd, digest, buffer, offset, length)
+
+    monkeypatch.setattr(transfer, "_hash_range", slow_hash)
+    dest = tmp_path / "f"
+    data = os.urandom(100_000)
+    policy = transfer.TransferPolicy(8 << 20, 1, asyncio.Semaphore(1), 1)
+    download = asyncio.create_task(transfer.download(
+        lambda start, end: _BytesRange(data, start, end), dest, len(data), policy,
+        sha256=True))
+    await asyncio.wait_for(gate.entered.wait(), 10)
+    download.cancel()
+    await asyncio.sleep(0.2)
+    other = tmp_path / "another-file"
+    fd = os.open(other, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        gate.proceed.set()
+        await asyncio.gather(download, return_exceptions=True)
+        await _until(lambda: bool(read_from))
+    finally:
+        os.close(fd)
+    assert read_from == [str(dest)]
+    await _until(lambda: not _open_to(dest))

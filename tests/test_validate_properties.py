@@ -1,5 +1,6 @@
 """Property tests: random bytes and random mutations of a valid adapter get a verdict (a list of
-problems), never an exception, and the validator reads no more than the header and the config."""
+problems), never an exception, and the validator reads no more than the header and the config
+(and the data once more when it checks the tensor values)."""
 
 from __future__ import annotations
 
@@ -55,12 +56,19 @@ def verdict(folder: Path, weights: bytes) -> list[Problem]:
     bound = 8 + min(claimed, HEADER_MAX_BYTES) + (folder / CONFIG).stat().st_size + SLACK_BYTES
 
     before = bytes_read_by_process()
-    problems = validate_adapter(folder, Rules())
+    problems = validate_adapter(folder, Rules(), scan_values=False)
     read = bytes_read_by_process() - before
+    # With the values checked (the default): the same verdict plus NaN or infinity, the data
+    # read once more at most.
+    before = bytes_read_by_process()
+    scanned = validate_adapter(folder, Rules())
+    read_scanned = bytes_read_by_process() - before
 
     assert isinstance(problems, list)
     assert all(isinstance(p, Problem) and p.code and p.message for p in problems)
     assert read <= bound, f"read {read} bytes, more than {bound}"
+    assert [p for p in scanned if p.code != "non_finite_weights"] == problems
+    assert read_scanned <= bound + len(weights), f"read {read_scanned} bytes with the values"
     return problems
 
 

@@ -184,9 +184,23 @@ class EngineNode:
 
     # ---- the sidecar -------------------------------------------------------------------
 
-    def sidecar_json(self, path: str) -> Any:
-        with urllib.request.urlopen(self.sidecar.url + path, timeout=30) as response:
+    def sidecar_json(self, path: str, body: Mapping[str, Any] | None = None) -> Any:
+        """GET `path`, or POST `body` to it."""
+        request = urllib.request.Request(
+            self.sidecar.url + path, method="GET" if body is None else "POST",
+            data=None if body is None else json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
             return json.loads(response.read())
+
+    def lora_name(self, adapter_id: str) -> str:
+        """Stage the adapter and return the name vllm_model knows it by (the /stage answer's
+        `lora_name`, the adapter id where the sidecar does not bind names); the lease is given
+        back at once, the folder stays on disk until something else needs the room."""
+        answer = self.sidecar_json("/stage", {"adapter_id": adapter_id})
+        if answer.get("lease_id"):
+            self.sidecar_json("/release", {"lease_id": answer["lease_id"]})
+        return str(answer.get("lora_name") or adapter_id)
 
     def wait_catalog_loaded(self, timeout_s: float = ENGINE_LOAD_TIMEOUT_S) -> float:
         """Until Triton has loaded the catalog the sidecar rendered last; returns the seconds."""

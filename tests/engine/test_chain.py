@@ -89,23 +89,27 @@ def test_eight_concurrent_calls_over_four_adapters_with_room_for_two(
     node.sample_memory()
 
 
+def test_a_load_with_unchanged_files_keeps_the_running_engine(node: EngineNode) -> None:
+    # Before any test touches the catalog file: Triton compares its ctime, which a swap and
+    # restore of the file moves for good (a restored mtime does not hide it).
+    before = {pid: name for pid, name in node.engine_pids().items() if "EngineCore" in name}
+
+    started = time.monotonic()
+    node.server.load(VLLM_MODEL)
+    seconds = time.monotonic() - started
+    after = {pid: name for pid, name in node.engine_pids().items() if "EngineCore" in name}
+
+    assert before and after == before, node.engine_pids()
+    assert seconds < 5, seconds  # nothing was loaded: an engine start takes tens of seconds
+
+
 # ---- the stock backend's contract, asserted on the real backend ----------------------------
-
-
-def lora_name(node: EngineNode, adapter_id: str) -> str:
-    """Stage an adapter (so vLLM can read its folder); the name vllm_model knows it by."""
-    request = urllib.request.Request(f"{node.sidecar.url}/stage", method="POST",
-                                     data=json.dumps({"adapter_id": adapter_id,
-                                                      "lease": False}).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=120) as response:
-        return str(json.loads(response.read())["lora_name"])
 
 
 def test_vllm_model_is_decoupled_and_streams_the_adapters_text_in_pieces(
     node: EngineNode, engine_assets: EngineAssets
 ) -> None:
-    name = lora_name(node, "tenant-1")
+    name = node.lora_name("tenant-1")  # staged, so vLLM can read its folder
     with urllib.request.urlopen(f"{node.server.http_url}/v2/models/{VLLM_MODEL}/config",
                                 timeout=10) as response:
         config = json.loads(response.read())
@@ -120,7 +124,7 @@ def test_vllm_model_is_decoupled_and_streams_the_adapters_text_in_pieces(
 def test_vllm_model_echoes_the_prompt_unless_told_not_to(
     node: EngineNode, engine_assets: EngineAssets
 ) -> None:
-    name = lora_name(node, "tenant-2")
+    name = node.lora_name("tenant-2")
     expected = engine_assets.text("tenant-2")
 
     echoed = node.vllm_stream(name)
@@ -142,20 +146,6 @@ def test_an_unlisted_lora_name_is_refused_with_the_whole_catalog_in_the_message(
     catalog = json.loads((node.cache_root / "multi_lora.json").read_text())
     assert f"LoRA no-such-tenant is not supported, we currently support {list(catalog)}" in message
     assert node.loaded_lora_names() == list(catalog)
-
-
-def test_a_load_with_unchanged_files_keeps_the_running_engine(node: EngineNode) -> None:
-    # Before the next test: Triton compares the catalog's ctime, which that test's swap and
-    # restore of the file moves for good (a restored mtime does not hide it).
-    before = {pid: name for pid, name in node.engine_pids().items() if "EngineCore" in name}
-
-    started = time.monotonic()
-    node.server.load(VLLM_MODEL)
-    seconds = time.monotonic() - started
-    after = {pid: name for pid, name in node.engine_pids().items() if "EngineCore" in name}
-
-    assert before and after == before, node.engine_pids()
-    assert seconds < 5, seconds  # nothing was loaded: an engine start takes tens of seconds
 
 
 def test_the_backend_reads_its_catalog_once_per_load(node: EngineNode) -> None:
@@ -275,23 +265,23 @@ def _health_check_enabled() -> bool:
 def test_a_dead_engine_as_the_stock_backend_shows_it(
     node: EngineNode, engine_figures: dict[str, str]
 ) -> None:
-    node.ask("tenant-0")
-    engines = [pid for pid, name in node.engine_pids().items() if "EngineCore" in name]
+    name = node.lora_name("tenant-0")
+    engines = [pid for pid, title in node.engine_pids().items() if "EngineCore" in title]
     assert engines
     for pid in engines:
         os.kill(pid, signal.SIGKILL)
     time.sleep(1)  # vLLM notices its engine process died through a socket; give it a moment
 
     with pytest.raises(InferenceServerException) as direct:
-        node.vllm_stream("tenant-0")
-    engine_figures["dead engine, direct vllm_model call"] = (
-        f"{status_of(direct.value)}: {(direct.value.message() or '')[:160]}")
+        node.vllm_stream(name)
+    engine_figures["dead engine, direct vllm_model call"] = (direct.value.message() or "")[:160]
 
     if _health_check_enabled():
-        # The backend checks the engine before each request, answers UNAVAILABLE and unloads
+        # The backend checks the engine before each request, answers with an error and unloads
         # the model by itself. (A streamed error carries its message, not its code: the router,
         # which gets the code through BLS, is what clients see.)
-        assert "unhealthy vLLM engine" in (direct.value.message() or "")
+        assert "Model is unavailable due to unhealthy vLLM engine" in (
+            direct.value.message() or "")
         with pytest.raises(InferenceServerException) as routed:
             node.ask("tenant-0")
         assert status_of(routed.value) == "UNAVAILABLE", routed.value.message()
@@ -302,7 +292,7 @@ def test_a_dead_engine_as_the_stock_backend_shows_it(
         node.ask("tenant-0")
     node.server.load(VLLM_MODEL)
     with pytest.raises(InferenceServerException):
-        node.vllm_stream("tenant-0")
+        node.vllm_stream(name)
     assert "EngineCore encountered an issue" in (direct.value.message() or "")
     assert node.server.model_states()[VLLM_MODEL] == "READY"
     engine_figures["dead engine, router call"] = (

@@ -19,10 +19,8 @@ import tritonclient.grpc.aio as grpcclient
 from sidecar.app import Sidecar
 from sidecar.shapes import TINY_LLAMA
 from tests.conftest import S3Registry, StartSidecar, s3_settings
+from tests.recording_proxy import RecordingProxy
 from tests.triton.harness import ROUTER, VLLM_MODEL, TritonServer, free_port, router_config
-
-# Enough router instances for requests to overlap, few enough to load in about 2 s.
-ROUTER_INSTANCES = 4
 
 
 @dataclass
@@ -31,28 +29,42 @@ class TritonNode:
     cache_root: Path  # where the catalog link of the server's vllm_model points
     sidecar_port: int  # where the router expects the sidecar
     fail_flag: Path  # while it exists, vllm_model fails to load (as out of GPU memory)
+    proxy: RecordingProxy  # every proxy variable of Triton's environment points at it
 
     @property
     def sidecar_url(self) -> str:
         return f"http://127.0.0.1:{self.sidecar_port}"
 
+    def stop(self) -> None:
+        self.server.stop()
+        self.proxy.stop()
+
 
 def start_triton_node(workdir: Path, *, env: dict[str, str] | None = None,
                       sidecar_port: int | None = None, http_port: int | None = None,
                       cache_root: Path | None = None) -> TritonNode:
-    """A Triton with the router loaded, its vllm_model reading `cache_root`'s catalog."""
+    """A Triton with the router loaded, its vllm_model reading `cache_root`'s catalog. Proxy
+    variables and no no_proxy in its environment, as in many corporate containers: the
+    router's calls to the sidecar must still go straight to it."""
     workdir.mkdir(parents=True, exist_ok=True)
     cache_root = cache_root or workdir / "cache"
     cache_root.mkdir(exist_ok=True)
     fail_flag = workdir / "fail-vllm-load"
-    server = TritonServer.start(workdir / f"server-{free_port()}", cache_root / "multi_lora.json",
-                                env={"STANDIN_VLLM_FAIL_FLAG": str(fail_flag), **(env or {})},
-                                ports=(http_port, free_port()) if http_port else None)
+    proxy = RecordingProxy(workdir / f"proxy-{free_port()}")
     try:
-        node = TritonNode(server, cache_root, sidecar_port or free_port(), fail_flag)
-        server.load(ROUTER, router_config(node.sidecar_url, instances=ROUTER_INSTANCES))
+        server = TritonServer.start(workdir / f"server-{free_port()}",
+                                    cache_root / "multi_lora.json",
+                                    env={"STANDIN_VLLM_FAIL_FLAG": str(fail_flag),
+                                         **proxy.environment(), **(env or {})},
+                                    http_port=http_port)
     except BaseException:
-        server.stop()
+        proxy.stop()
+        raise
+    node = TritonNode(server, cache_root, sidecar_port or free_port(), fail_flag, proxy)
+    try:
+        server.load(ROUTER, router_config(node.sidecar_url))
+    except BaseException:
+        node.stop()
         raise
     return node
 
@@ -63,7 +75,7 @@ def triton_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonNode
     try:
         yield node
     finally:
-        node.server.stop()
+        node.stop()
 
 
 StartNodeSidecar = Callable[..., Awaitable[Sidecar]]
@@ -120,14 +132,18 @@ def _bytes_input(name: str, value: str) -> grpcclient.InferInput:
     return tensor
 
 
-async def ask(client: grpcclient.InferenceServerClient, adapter_id: str, prompt: str,
-              sampling: dict[str, Any] | str | None = None) -> str:
-    """One call of the router; its error surfaces as InferenceServerException."""
-    inputs = [_bytes_input("prompt", prompt), _bytes_input("adapter_id", adapter_id)]
+async def ask(client: grpcclient.InferenceServerClient, adapter_id: str | None, prompt: str,
+              sampling: dict[str, Any] | str | None = None,
+              headers: dict[str, str] | None = None) -> str:
+    """One call of the router; its error surfaces as InferenceServerException. No adapter_id
+    input when `adapter_id` is None (the header names it then)."""
+    inputs = [_bytes_input("prompt", prompt)]
+    if adapter_id is not None:
+        inputs.append(_bytes_input("adapter_id", adapter_id))
     if sampling is not None:
         text = sampling if isinstance(sampling, str) else json.dumps(sampling)
         inputs.append(_bytes_input("sampling_parameters", text))
-    result = await client.infer(ROUTER, inputs, client_timeout=120)
+    result = await client.infer(ROUTER, inputs, client_timeout=120, headers=headers)
     answer = result.as_numpy("generated_text").reshape(-1)[0]
     return answer.decode("utf-8") if isinstance(answer, bytes) else str(answer)
 

@@ -17,7 +17,7 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,10 @@ STANDIN_DIR = Path(__file__).resolve().parent / "standin_vllm"
 CATALOG_LINK = Path("vllm_model") / "1" / "multi_lora.json"
 ROUTER = "multilora_router"
 VLLM_MODEL = "vllm_model"
+ADAPTER_HEADER = "x-adapter-id"
+# How a deployment starts Triton so the router sees the header a routing proxy hashes on.
+HEADER_FORWARD_ARGS = (f"--grpc-header-forward-pattern=^{ADAPTER_HEADER}$",
+                       f"--http-header-forward-pattern=^{ADAPTER_HEADER}$")
 
 
 def pytriton_dir() -> Path:
@@ -70,10 +74,12 @@ def build_backends(dest: Path, vllm_backend: Path | None = None) -> Path:
 
 
 def copy_model_repository(dest: Path, catalog_path: Path,
-                          engine_args: Mapping[str, Any] | None = None) -> Path:
-    """triton_repo as checked in, but for the one link to the catalog the sidecar renders and,
-    when given, the engine settings (vllm_model/1/model.json) of the test's machine."""
-    shutil.copytree(TRITON_REPO, dest, symlinks=True,
+                          engine_args: Mapping[str, Any] | None = None,
+                          source: Path = TRITON_REPO) -> Path:
+    """triton_repo as checked in (or `source`), but for the one link to the catalog the sidecar
+    renders and, when given, the engine settings (vllm_model/1/model.json) of the test's
+    machine."""
+    shutil.copytree(source, dest, symlinks=True,
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     link = dest / CATALOG_LINK
     link.unlink()
@@ -83,14 +89,15 @@ def copy_model_repository(dest: Path, catalog_path: Path,
     return dest
 
 
-def router_config(sidecar_url: str, *, instances: int | None = None, **parameters: str) -> str:
+def router_config(sidecar_url: str, *, instances: int | None = None,
+                  repository: Path = TRITON_REPO, **parameters: str) -> str:
     """The router's checked-in config.pbtxt as JSON with other parameter values (and instance
     count), for a load with a config override: the files stay as checked in."""
     from google.protobuf import json_format, text_format
     from tritonclient.grpc import model_config_pb2
 
     config = model_config_pb2.ModelConfig()
-    text_format.Parse((TRITON_REPO / ROUTER / "config.pbtxt").read_text(), config)
+    text_format.Parse((repository / ROUTER / "config.pbtxt").read_text(), config)
     for key, value in {"sidecar_url": sidecar_url, **parameters}.items():
         config.parameters[key].string_value = value
     if instances is not None:
@@ -118,14 +125,17 @@ class TritonServer:
               ready_timeout_s: float = 60.0, vllm_backend: Path | None = None,
               python_venv: Path | None = None,
               engine_args: Mapping[str, Any] | None = None,
-              ports: tuple[int, int] | None = None) -> TritonServer:
+              ports: tuple[int, int] | None = None,
+              args: Sequence[str] = HEADER_FORWARD_ARGS,
+              http_port: int | None = None, source: Path = TRITON_REPO) -> TritonServer:
         """`vllm_backend`: the stock backend's folder (else the stand-in); `python_venv`: the
         environment the Python models run in (else this interpreter's); `engine_args`: the
         model.json of vllm_model (else the checked-in one); `ports`: (HTTP, gRPC), for a restart
-        where clients expect the server."""
+        where clients expect the server (`http_port`: the HTTP one only); `args`: more
+        tritonserver flags; `source`: the model repository to copy."""
         backends = build_backends(workdir / "backends", vllm_backend)
         repository = copy_model_repository(workdir / "model_repository", catalog_path,
-                                           engine_args)
+                                           engine_args, source)
         libs = pytriton_dir().parent.parent / "nvidia_pytriton.libs"
         python_bin = python_venv / "bin" if python_venv else Path(sys.executable).parent
         libdir = sysconfig.get_config_var("LIBDIR")
@@ -150,7 +160,7 @@ class TritonServer:
             p for p in (str(libs), libdir, child_env.get("LD_LIBRARY_PATH")) if p
         )
         child_env.update(env or {})
-        http_port, grpc_port = ports or (free_port(), free_port())
+        http_port, grpc_port = ports or (http_port or free_port(), free_port())
         log_path = workdir / "tritonserver.log"
         with log_path.open("wb") as log:
             process = subprocess.Popen(
@@ -164,6 +174,7 @@ class TritonServer:
                     "--allow-metrics=false",
                     "--exit-timeout-secs=2",
                     "--log-verbose=0",
+                    *args,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,

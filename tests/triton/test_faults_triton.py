@@ -86,7 +86,7 @@ async def test_a_triton_that_starts_after_the_sidecar_is_served_within_seconds(
             assert await ask(client, "early-v1", "x") == expected_text(files[WEIGHTS], "x")
         assert served_s < 30  # with --triton-reload-min-interval 3600
     finally:
-        node.server.stop()
+        node.stop()
 
 
 async def test_one_probe_answered_503_neither_reloads_nor_stops_stage(
@@ -200,4 +200,4 @@ async def test_during_an_on_change_reload_what_the_serving_engine_loaded_stays_s
             for adapter_id, data in files.items():
                 assert await ask(client, adapter_id, "y") == expected_text(data, "y")
     finally:
-        node.server.stop()
+        node.stop()

@@ -7,6 +7,8 @@ import importlib.util
 import json
 import socket
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from tests.recording_proxy import RecordingProxy
 from tests.triton.harness import ROUTER, TRITON_REPO
 
 
@@ -115,9 +118,26 @@ class FakeVllm:
         yield from self.pieces
 
 
+_OPEN_CLIENTS: list[Any] = []
+
+
+def new_client(settings: Any, **kwargs: Any) -> Any:
+    """A SidecarClient closed after the test (it keeps its connections open between calls)."""
+    sidecar = routing.SidecarClient(settings, **kwargs)
+    _OPEN_CLIENTS.append(sidecar)
+    return sidecar
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    while _OPEN_CLIENTS:
+        _OPEN_CLIENTS.pop().close()
+
+
 def client(stub: StubSidecar, **overrides: Any) -> Any:
     settings = routing.RouterSettings(sidecar_url=stub.url, **overrides)
-    return routing.SidecarClient(settings)
+    return new_client(settings)
 
 
 async def route(stub: StubSidecar, vllm: FakeVllm, adapter_id: str = "a1",
@@ -256,7 +276,7 @@ async def test_unreachable_sidecar_is_unavailable() -> None:
     vllm = FakeVllm()
 
     with pytest.raises(routing.RouteError) as caught:
-        await asyncio.to_thread(routing.route, "p", "a1", None, routing.SidecarClient(settings),
+        await asyncio.to_thread(routing.route, "p", "a1", None, new_client(settings),
                                 vllm)
 
     assert caught.value.status is Status.UNAVAILABLE
@@ -291,7 +311,7 @@ async def test_cache_full_of_leased_adapters_is_waited_out(stub: StubSidecar) ->
     full = (507, error_body("cache_full", "3 adapters are leased"))
     stub.stage_replies = [full, full]
     clock = FakeClock()
-    sidecar = routing.SidecarClient(routing.RouterSettings(sidecar_url=stub.url),
+    sidecar = new_client(routing.RouterSettings(sidecar_url=stub.url),
                                     clock=clock, pause=clock.pause)
 
     text = await route(stub, FakeVllm(), sidecar=sidecar)
@@ -306,7 +326,7 @@ async def test_cache_full_past_the_stage_deadline_is_unavailable(stub: StubSidec
     stub.stage_replies = [(507, error_body("cache_full", "3 adapters are leased"))] * 100
     clock = FakeClock()
     settings = routing.RouterSettings(sidecar_url=stub.url, stage_timeout_s=2.0)
-    sidecar = routing.SidecarClient(settings, clock=clock, pause=clock.pause)
+    sidecar = new_client(settings, clock=clock, pause=clock.pause)
 
     error = await route_error(stub, FakeVllm(), sidecar=sidecar)
 
@@ -452,7 +472,7 @@ async def test_token_file_is_sent_as_a_bearer_token(tmp_path: Path) -> None:
             "sidecar_api_token_file": str(token_file),
         })
         await asyncio.to_thread(routing.route, "p", "a1", None,
-                                routing.SidecarClient(settings), FakeVllm())
+                                new_client(settings), FakeVllm())
     finally:
         await runner.cleanup()
 
@@ -477,3 +497,179 @@ def test_the_containers_environment_overrides_the_parameters(tmp_path: Path) -> 
     assert (from_file.sidecar_url, from_file.api_token) == ("http://sidecar:8500", "from-file")
     assert from_file.stage_timeout_s == 30
     assert from_env.api_token == "direct"
+
+
+# ---- the connection to the sidecar -----------------------------------------------------------
+
+
+async def serve_sidecar(keepalive_timeout_s: float = 75.0) -> tuple[web.AppRunner, str,
+                                                                      list[Any]]:
+    """A sidecar stand-in on a real aiohttp server; records each request's client address."""
+    peers: list[Any] = []
+
+    async def stage(request: web.Request) -> web.Response:
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        return web.json_response(lease_body((await request.json())["adapter_id"]))
+
+    async def release(request: web.Request) -> web.Response:
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        return web.json_response({"released": True})
+
+    app = web.Application()
+    app.router.add_post("/stage", stage)
+    app.router.add_post("/release", release)
+    runner = web.AppRunner(app, keepalive_timeout=keepalive_timeout_s)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}", peers
+
+
+async def test_calls_reuse_one_keep_alive_connection() -> None:
+    runner, url, peers = await serve_sidecar()
+    try:
+        sidecar = new_client(routing.RouterSettings(sidecar_url=url))
+        for _ in range(20):
+            await asyncio.to_thread(routing.route, "p", "a1", None, sidecar, FakeVllm())
+    finally:
+        await runner.cleanup()
+
+    assert len(peers) == 40  # a /stage and a /release per request
+    assert len(set(peers)) == 1  # ...all over one TCP connection
+    assert sidecar.connections_opened == 1
+
+
+async def test_a_connection_the_sidecar_closed_while_idle_is_replaced_without_an_error() -> None:
+    # The server drops idle connections after 0.2 s; the router keeps them for longer, so its
+    # next call meets a connection the server has closed.
+    runner, url, peers = await serve_sidecar(keepalive_timeout_s=0.2)
+    try:
+        sidecar = new_client(routing.RouterSettings(sidecar_url=url))
+        first = await asyncio.to_thread(routing.route, "p", "a1", None, sidecar, FakeVllm())
+        await asyncio.sleep(0.6)
+        second = await asyncio.to_thread(routing.route, "p", "a1", None, sidecar, FakeVllm())
+    finally:
+        await runner.cleanup()
+
+    assert first == second == "hello world"
+    assert sidecar.connections_opened == 2
+    assert len(set(peers)) == 2
+
+
+async def test_threads_share_the_client_and_each_gets_an_answer() -> None:
+    runner, url, peers = await serve_sidecar()
+    try:
+        sidecar = new_client(routing.RouterSettings(sidecar_url=url))
+        answers = await asyncio.gather(*(
+            asyncio.to_thread(routing.route, "p", f"a{n}", None, sidecar, FakeVllm())
+            for n in range(32)))
+    finally:
+        await runner.cleanup()
+
+    assert answers == ["hello world"] * 32
+    assert len(peers) == 64
+    assert sidecar.connections_opened <= 32  # idle ones are taken again, never one per call
+
+
+async def test_proxy_variables_never_divert_a_sidecar_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proxy = RecordingProxy(tmp_path / "proxy")
+    try:
+        # The proxy is real and records: urllib, which honours the variables, reaches it.
+        for name, value in proxy.environment().items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        # An opener of its own: urlopen's global one would keep this proxy for later tests.
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler())
+        with pytest.raises(urllib.error.HTTPError):
+            await asyncio.to_thread(opener.open, "http://127.0.0.1:9/stage", timeout=5)
+        assert len(proxy.requests()) == 1
+
+        runner, url, peers = await serve_sidecar()
+        try:
+            text = await asyncio.to_thread(routing.route, "p", "a1", None,
+                                           client_for(url), FakeVllm())
+        finally:
+            await runner.cleanup()
+    finally:
+        proxy.stop()
+
+    assert text == "hello world"
+    assert len(peers) == 2
+    assert len(proxy.requests()) == 1  # only the urllib call above
+
+
+def client_for(url: str) -> Any:
+    return new_client(routing.RouterSettings(sidecar_url=url))
+
+
+# ---- the adapter id: header or input ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("input_value", "parameters", "expected"), [
+    ("a1", None, "a1"),
+    ("a1", "{}", "a1"),
+    (None, '{"x-adapter-id": "a2"}', "a2"),
+    (None, '{"X-Adapter-Id": "a2"}', "a2"),  # Triton keeps an HTTP header's spelling
+    ("", '{"x-adapter-id": "a2"}', "a2"),
+    ("a3", '{"x-adapter-id": "a3", "other": 1}', "a3"),
+])
+def test_the_adapter_comes_from_the_header_or_the_input(
+    input_value: str | None, parameters: str | None, expected: str
+) -> None:
+    assert routing.requested_adapter_id(input_value, parameters) == expected
+
+
+@pytest.mark.parametrize(("input_value", "parameters", "expected"), [
+    ("a1", '{"x-adapter-id": "a2"}', "name different adapters"),
+    (None, None, "send the x-adapter-id header or the adapter_id input"),
+    (None, '{"x-adapter-id": 7}', "as a string"),
+])
+def test_a_missing_or_conflicting_adapter_id_is_an_invalid_argument(
+    input_value: str | None, parameters: str | None, expected: str
+) -> None:
+    with pytest.raises(routing.RouteError) as caught:
+        routing.requested_adapter_id(input_value, parameters)
+
+    assert caught.value.status is Status.INVALID_ARG
+    assert expected in caught.value.message
+
+
+def test_the_header_name_is_a_parameter() -> None:
+    settings = routing.RouterSettings.from_parameters({"adapter_id_header": "X-Tenant-Adapter"})
+
+    assert settings.adapter_id_header == "x-tenant-adapter"
+    assert routing.requested_adapter_id(None, '{"x-tenant-adapter": "t1"}',
+                                        settings.adapter_id_header) == "t1"
+    with pytest.raises(ValueError, match="adapter_id_header"):
+        routing.RouterSettings.from_parameters({"adapter_id_header": "bad header"})
+    with pytest.raises(ValueError, match="max_concurrent_requests"):
+        routing.RouterSettings.from_parameters({"max_concurrent_requests": "0"})
+
+
+# ---- what a routing proxy may retry on another node -------------------------------------------
+
+
+@pytest.mark.parametrize(("http_status", "code", "retry_elsewhere"), [
+    (507, "cache_full", True),
+    (503, "not_ready", True),
+    (503, "catalog_pending", True),
+    (503, "catalog_reloading", True),
+    (503, "cache_not_writable", True),
+    (503, "registry_unavailable", True),
+    (504, "stage_timeout", True),
+    (507, "a_future_storage_code", True),
+    (404, "adapter_not_found", False),
+    (422, "invalid_adapter", False),
+    (400, "invalid_adapter_id", False),
+    (502, "registry_error", False),
+])
+async def test_only_what_another_node_can_help_with_is_unavailable(
+    stub: StubSidecar, http_status: int, code: str, retry_elsewhere: bool
+) -> None:
+    stub.stage_replies = [(http_status, error_body(code, "m", retryable=False))]
+
+    error = await route_error(stub, FakeVllm())
+
+    assert (error.status is Status.UNAVAILABLE) is retry_elsewhere

@@ -200,9 +200,10 @@ async def test_bindings_survive_a_sidecar_restart_and_a_triton_restart_on_the_sa
         node.server.stop()  # Triton restarts on the same catalog, at the same address
         node.server = TritonServer.start(tmp_path / "node" / "again",
                                          node.cache_root / "multi_lora.json",
+                                         env=node.proxy.environment(),
                                          ports=(node.server.http_port, node.server.grpc_port))
         servers.append(node.server)
-        node.server.load(ROUTER, router_config(node.sidecar_url, instances=2))
+        node.server.load(ROUTER, router_config(node.sidecar_url))
         await wait_for(lambda: (second.metrics.registry.get_sample_value(
             "lora_sidecar_triton_reloads_total", {"outcome": "ok"}) or 0.0) > reloads)
 
@@ -218,6 +219,7 @@ async def test_bindings_survive_a_sidecar_restart_and_a_triton_restart_on_the_sa
     finally:
         for server in servers:
             server.stop()
+        node.proxy.stop()
 
 
 async def test_an_engine_killed_on_purpose_is_reported_unavailable_and_serves_again(

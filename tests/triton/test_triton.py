@@ -8,7 +8,9 @@ import json
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
+import tritonclient.http as tritonhttp
 from tritonclient.utils import InferenceServerException
 
 from compose import client as compose_client
@@ -258,3 +260,89 @@ async def test_a_restarted_sidecar_takes_over_the_loaded_engine_without_unloadin
     assert second.catalog.status()["triton"]["loaded_generation"] == 1
     assert triton_node.server.log_text().count("successfully unloaded 'vllm_model'") == unloads
     assert await ask(grpc, "steady-v1", "x") == expected_text(files[WEIGHTS], "x")
+
+
+# ---- the adapter id as a header, and many requests at once -----------------------------------
+
+
+async def test_the_x_adapter_id_header_alone_names_the_adapter(
+    triton_node: TritonNode, s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any
+) -> None:
+    files = s3.put_adapter("header-v1", seed=21)
+    await node_sidecar()
+    http_client = tritonhttp.InferenceServerClient(f"127.0.0.1:{triton_node.server.http_port}")
+
+    over_grpc = await ask(grpc, None, "hi", headers={"x-adapter-id": "header-v1"})
+    prompt = tritonhttp.InferInput("prompt", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array([b"hi"], dtype=object))
+    # HTTP keeps the header's spelling; the router compares names without case.
+    result = await asyncio.to_thread(http_client.infer, "multilora_router", [prompt],
+                                     headers={"X-Adapter-Id": "header-v1"})
+    http_client.close()
+
+    expected = expected_text(files[WEIGHTS], "hi")
+    assert over_grpc == expected
+    assert result.as_numpy("generated_text")[0].decode() == expected
+    assert triton_node.proxy.requests() == []  # the sidecar calls ignored the proxy variables
+
+
+async def test_a_header_and_an_input_naming_different_adapters_are_refused(
+    s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any
+) -> None:
+    s3.put_adapter("left-v1", seed=22)
+    s3.put_adapter("right-v1", seed=23)
+    sidecar = await node_sidecar()
+
+    mismatch = await router_error_with(grpc, "left-v1", {"x-adapter-id": "right-v1"})
+    neither = await router_error_with(grpc, None, None)
+
+    assert status_of(mismatch) == "INVALID_ARGUMENT"
+    assert "'right-v1'" in mismatch.message() and "'left-v1'" in mismatch.message()
+    assert status_of(neither) == "INVALID_ARGUMENT"
+    assert "x-adapter-id" in neither.message()
+    assert stage_count(sidecar, "miss") == 0  # refused before anything was staged
+
+
+async def router_error_with(grpc: Any, adapter_id: str | None,
+                            headers: dict[str, str] | None) -> InferenceServerException:
+    with pytest.raises(InferenceServerException) as caught:
+        await ask(grpc, adapter_id, "hello", headers=headers)
+    return caught.value
+
+
+async def test_warm_requests_are_answered_while_sixteen_cold_downloads_hang(
+    triton_node: TritonNode, s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any
+) -> None:
+    warm = s3.put_adapter("warm-v1", seed=30)
+    cold_ids = [f"cold-{n}-v1" for n in range(16)]
+    cold_weights = [s3.put_adapter(adapter_id, seed=40 + n)[WEIGHTS]
+                    for n, adapter_id in enumerate(cold_ids)]
+    await node_sidecar()
+    assert await ask(grpc, "warm-v1", "x") == expected_text(warm[WEIGHTS], "x")
+    hung: list[str] = []
+
+    async def hang_cold_weights(request: Any, seen: Any) -> None:
+        if seen.method == "GET" and "cold-" in seen.path and seen.path.endswith(WEIGHTS):
+            hung.append(seen.path)
+            await s3.proxy.stall()
+        return None
+
+    s3.proxy.fault = hang_cold_weights
+    cold = [asyncio.create_task(ask(grpc, adapter_id, "c")) for adapter_id in cold_ids]
+    try:
+        for _ in range(600):  # every cold download has reached S3 and hangs there
+            if len(set(hung)) == 16:
+                break
+            await asyncio.sleep(0.05)
+        assert len(set(hung)) == 16
+
+        answers = await asyncio.wait_for(
+            asyncio.gather(*(ask(grpc, "warm-v1", f"w{n}") for n in range(8))), timeout=60)
+
+        assert answers == [expected_text(warm[WEIGHTS], f"w{n}") for n in range(8)]
+        assert not any(task.done() for task in cold)  # the cold ones are still downloading
+    finally:
+        s3.proxy.fault = None
+        s3.proxy.release_stalls()
+    cold_answers = await asyncio.gather(*cold)
+    assert cold_answers == [expected_text(weights, "c") for weights in cold_weights]

@@ -89,6 +89,21 @@ class ThreadedTritonProxy:
     def repository_calls(self) -> list[str]:
         return list(self.proxy.repository_calls())
 
+    def hold_probes(self) -> None:
+        """Readiness probes hang from now on, until `release_probes()`."""
+        async def hold() -> None:
+            self.proxy.hang_ready = asyncio.Event()
+
+        asyncio.run_coroutine_threadsafe(hold(), self._loop).result(timeout=30)
+
+    def release_probes(self) -> None:
+        async def release() -> None:
+            held, self.proxy.hang_ready = self.proxy.hang_ready, None
+            if held is not None:
+                held.set()
+
+        asyncio.run_coroutine_threadsafe(release(), self._loop).result(timeout=30)
+
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.proxy.stop(), self._loop).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)

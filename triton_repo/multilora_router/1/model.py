@@ -1,5 +1,12 @@
 """Triton shell of the router: tensors in, `routing.route`, tensors out. The logic and its
 tests live with routing.py; this file only converts.
+
+Each request is answered from a worker thread through its response sender, and `execute`
+returns at once: a non-decoupled Python model in Triton 2.51 runs one `execute` per instance
+at a time, so a request that waits minutes for a cold adapter's download would otherwise hold
+the instance, and every warm request queued behind it would wait too. Clients see no
+difference (one response per request, plain unary infer); the thread pool's size
+(`max_concurrent_requests`) bounds the requests in progress per instance.
 """
 
 from __future__ import annotations
@@ -7,11 +14,22 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import routing
 import triton_python_backend_utils as pb_utils
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """What a worker thread needs of a request: Triton frees its tensors when execute returns."""
+
+    prompt: str
+    adapter_id: str
+    sampling_json: str | None
 
 
 class TritonPythonModel:
@@ -24,26 +42,60 @@ class TritonPythonModel:
         self._settings = routing.RouterSettings.from_deployment(parameters, os.environ)
         self._sidecar = routing.SidecarClient(self._settings)
         self._logger = pb_utils.Logger
+        self._pool = ThreadPoolExecutor(max_workers=self._settings.max_concurrent_requests,
+                                        thread_name_prefix="router")
 
-    def execute(self, requests: list[Any]) -> list[Any]:
-        return [self._answer(request) for request in requests]
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                call = self._read(request)
+            except routing.RouteError as exc:
+                self._send(sender, _error_response(exc))
+                continue
+            self._pool.submit(self._answer, call, sender)
+        return None
 
-    def _answer(self, request: Any) -> Any:
+    def finalize(self) -> None:
+        # Requests in progress are answered before the model goes (an unload waits for them).
+        self._pool.shutdown(wait=True)
+        self._sidecar.close()
+
+    def _read(self, request: Any) -> _Call:
+        adapter_id = routing.requested_adapter_id(
+            _optional_text(request, "adapter_id"), request.parameters(),
+            self._settings.adapter_id_header)
+        return _Call(_text(request, "prompt"), adapter_id,
+                     _optional_text(request, "sampling_parameters"))
+
+    def _answer(self, call: _Call, sender: Any) -> None:
         try:
             text = routing.route(
-                prompt=_text(request, "prompt"),
-                adapter_id=_text(request, "adapter_id"),
-                sampling_json=_optional_text(request, "sampling_parameters"),
+                prompt=call.prompt,
+                adapter_id=call.adapter_id,
+                sampling_json=call.sampling_json,
                 sidecar=self._sidecar,
                 generate=self._generate,
                 vllm_model=self._settings.vllm_model,
                 warn=self._logger.log_warn,
             )
         except routing.RouteError as exc:
-            code = getattr(pb_utils.TritonError, exc.status.value)
-            return pb_utils.InferenceResponse(error=pb_utils.TritonError(exc.message, code))
-        output = pb_utils.Tensor("generated_text", np.array([text.encode("utf-8")], dtype=object))
-        return pb_utils.InferenceResponse(output_tensors=[output])
+            response = _error_response(exc)
+        except Exception as exc:  # a thread has no caller to raise to: the client must hear
+            self._logger.log_error(f"multilora_router failed on {call.adapter_id}: {exc!r}")
+            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                f"multilora_router failed: {exc!r}", pb_utils.TritonError.INTERNAL))
+        else:
+            output = pb_utils.Tensor("generated_text",
+                                     np.array([text.encode("utf-8")], dtype=object))
+            response = pb_utils.InferenceResponse(output_tensors=[output])
+        self._send(sender, response)
+
+    def _send(self, sender: Any, response: Any) -> None:
+        try:
+            sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as exc:  # the client went away, or Triton is stopping
+            self._logger.log_warn(f"multilora_router could not send a response: {exc!r}")
 
     def _generate(self, prompt: str, sampling_json: str) -> Iterator[str]:
         """A decoupled BLS call to the vLLM model; yields each text_output piece."""
@@ -70,6 +122,11 @@ class TritonPythonModel:
                         yield piece.decode("utf-8") if isinstance(piece, bytes) else str(piece)
         except pb_utils.TritonModelException as exc:
             raise routing.VllmError(str(exc)) from exc
+
+
+def _error_response(exc: routing.RouteError) -> Any:
+    code = getattr(pb_utils.TritonError, exc.status.value)
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(exc.message, code))
 
 
 def _code_name(error: Any) -> str | None:

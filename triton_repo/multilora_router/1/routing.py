@@ -9,9 +9,10 @@ import http.client
 import json
 import math
 import random
+import re
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -53,6 +54,11 @@ SAMPLING_KEYS: Mapping[str, tuple[type, ...]] = {
 _RETRY_FIRST_S = 0.05
 _RETRY_MAX_S = 1.0
 _RESPONSE_LIMIT_BYTES = 1024 * 1024
+# Idle keep-alive connections to the sidecar are kept at most this long: aiohttp closes its
+# side after 75 s, and a connection taken just as the server closes it costs a retry.
+_IDLE_CONNECTION_MAX_S = 30.0
+_IDLE_CONNECTIONS_MAX = 64
+_HEADER_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 
 
 class Status(Enum):
@@ -85,7 +91,11 @@ class VllmError(Exception):
         self.code = code
 
 
-# The sidecar's stable error codes, and what each means to a Triton client.
+# The sidecar's stable error codes, and what each means to a Triton client. UNAVAILABLE is the
+# one status a routing proxy retries on another node, so it is kept for what another node can
+# help with (this node's cache cannot fit the adapter, is not ready, its engine has not loaded
+# the catalog yet or is down); what is wrong with the adapter or the request itself is never
+# UNAVAILABLE, since every node would answer the same.
 _STATUS_BY_CODE: Mapping[str, Status] = {
     "adapter_not_found": Status.NOT_FOUND,
     "invalid_adapter_id": Status.INVALID_ARG,
@@ -98,6 +108,7 @@ _STATUS_BY_CODE: Mapping[str, Status] = {
     "not_ready": Status.UNAVAILABLE,
     "stage_timeout": Status.UNAVAILABLE,
     "cache_full": Status.UNAVAILABLE,
+    "cache_not_writable": Status.UNAVAILABLE,
     "registry_error": Status.INTERNAL,
     "unauthorized": Status.INTERNAL,
     "request_too_large": Status.INTERNAL,
@@ -113,6 +124,8 @@ class RouterSettings:
     sidecar_timeout_s: float = 5.0
     vllm_model: str = "vllm_model"
     api_token: str | None = None
+    adapter_id_header: str = "x-adapter-id"
+    max_concurrent_requests: int = 128
 
     @classmethod
     def from_parameters(cls, parameters: Mapping[str, str]) -> RouterSettings:
@@ -134,6 +147,18 @@ class RouterSettings:
         vllm_model = parameters.get("vllm_model", default.vllm_model).strip()
         if not vllm_model:
             problems.append("vllm_model must name the vLLM model")
+        header = parameters.get("adapter_id_header", default.adapter_id_header).strip().lower()
+        if not _HEADER_NAME.fullmatch(header):
+            problems.append(f"adapter_id_header {header!r}: use a lower-case header name such "
+                            "as x-adapter-id (gRPC metadata keys are lower-case)")
+        raw = parameters.get("max_concurrent_requests", str(default.max_concurrent_requests))
+        try:
+            concurrency = int(raw)
+        except ValueError:
+            concurrency = 0
+        if not 1 <= concurrency <= 4096:
+            problems.append(f"max_concurrent_requests {raw!r}: must be a whole number "
+                            "from 1 to 4096")
         token: str | None = None
         token_file = parameters.get("sidecar_api_token_file", "").strip()
         if token_file:
@@ -144,7 +169,7 @@ class RouterSettings:
         if problems:
             raise ValueError("multilora_router parameters: " + "; ".join(problems))
         return cls(url, timeouts["stage_timeout_s"], timeouts["sidecar_timeout_s"], vllm_model,
-                   token)
+                   token, header, concurrency)
 
     @classmethod
     def from_deployment(cls, parameters: Mapping[str, str],
@@ -169,6 +194,47 @@ class Lease:
     path: str
     cached: bool
     lora_name: str  # the name vllm_model knows the adapter by: its id, or a spare catalog name
+
+
+def requested_adapter_id(input_value: str | None, parameters_json: str | None,
+                         header: str = "x-adapter-id") -> str:
+    """The adapter a request asks for: the `header` Triton forwarded as a request parameter
+    (what a routing proxy hashed on), else the `adapter_id` input. Both given and different is
+    refused: the proxy would have sent the request to the node of the other adapter."""
+    from_header = _header_parameter(parameters_json, header)
+    given_input = input_value if input_value is not None and input_value.strip() else None
+    if from_header is not None and given_input is not None and from_header != given_input:
+        raise RouteError(
+            Status.INVALID_ARG,
+            f"the {header} header ({from_header!r}) and the adapter_id input "
+            f"({given_input!r}) name different adapters; send one, or the same in both",
+        )
+    adapter_id = from_header if from_header is not None else input_value
+    if adapter_id is None:
+        raise RouteError(Status.INVALID_ARG,
+                         f"no adapter named: send the {header} header or the adapter_id input")
+    return adapter_id
+
+
+def _header_parameter(parameters_json: str | None, header: str) -> str | None:
+    """The forwarded header's value among the request's parameters. Triton keeps an HTTP
+    header's spelling (X-Adapter-Id), so names are compared without case."""
+    if not parameters_json:
+        return None
+    try:
+        parameters = json.loads(parameters_json)
+    except ValueError:
+        return None
+    if not isinstance(parameters, dict):
+        return None
+    values = [v for k, v in parameters.items() if isinstance(k, str) and k.lower() == header]
+    if not values:
+        return None
+    if len(values) > 1 or not isinstance(values[0], str):
+        raise RouteError(Status.INVALID_ARG,
+                         f"the {header} header must be given once, as a string")
+    value: str = values[0].strip()
+    return value
 
 
 def sampling_parameters(text: str | None, adapter_id: str) -> str:
@@ -209,8 +275,57 @@ def _type_names(types: tuple[type, ...]) -> str:
     return " or ".join(names[t] for t in types)
 
 
+class _Connections:
+    """Keep-alive connections to the sidecar, shared by the router's threads. Plain
+    http.client, never urllib: a sidecar call goes straight to the configured address and
+    never through a proxy named by http_proxy/HTTP_PROXY, which urllib would honour."""
+
+    def __init__(self, url: str, clock: Callable[[], float]) -> None:
+        parts = urllib.parse.urlsplit(url)
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname or "127.0.0.1"
+        self._port = parts.port or (443 if self._https else 80)
+        self._clock = clock
+        self._idle: list[tuple[http.client.HTTPConnection, float]] = []
+        self._lock = threading.Lock()
+
+    def take(self, timeout_s: float) -> tuple[http.client.HTTPConnection, bool]:
+        """A connection and whether it was used before (then it may have died while idle)."""
+        now = self._clock()
+        with self._lock:
+            while self._idle:
+                connection, since = self._idle.pop()  # the most recently used: least stale
+                if now - since <= _IDLE_CONNECTION_MAX_S and connection.sock is not None:
+                    connection.sock.settimeout(timeout_s)
+                    return connection, True
+                connection.close()
+        kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        return kind(self._host, self._port, timeout=timeout_s), False
+
+    def give_back(self, connection: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if len(self._idle) < _IDLE_CONNECTIONS_MAX:
+                self._idle.append((connection, self._clock()))
+                return
+        connection.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for connection, _ in idle:
+            connection.close()
+
+
+# What a keep-alive connection the server closed while it sat idle fails with: the request
+# never reached the server, so it is sent again on a fresh connection. (A timeout is not one of
+# these: the sidecar may be working on the request.)
+_STALE_CONNECTION = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError,
+                     ConnectionAbortedError, http.client.BadStatusLine)
+
+
 class SidecarClient:
-    """POST /stage and /release to the sidecar over plain HTTP, each call bounded in time."""
+    """POST /stage and /release to the sidecar over keep-alive HTTP, each call bounded in time.
+    Safe to share between threads."""
 
     def __init__(self, settings: RouterSettings,
                  clock: Callable[[], float] = time.monotonic,
@@ -218,6 +333,8 @@ class SidecarClient:
         self._settings = settings
         self._clock = clock
         self._pause = pause
+        self._connections = _Connections(settings.sidecar_url, time.monotonic)
+        self.connections_opened = 0  # for tests and benchmarks: how often a call had to connect
 
     def stage(self, adapter_id: str) -> Lease:
         """Stage `adapter_id`, waiting out a cache full of leased adapters until the deadline."""
@@ -248,27 +365,45 @@ class SidecarClient:
     def release(self, lease_id: str) -> None:
         self._post("/release", {"lease_id": lease_id}, timeout_s=self._settings.sidecar_timeout_s)
 
+    def close(self) -> None:
+        self._connections.close()
+
     def _post(self, path: str, payload: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
-        url = self._settings.sidecar_url + path
         headers = {"Content-Type": "application/json"}
         if self._settings.api_token:
             headers["Authorization"] = f"Bearer {self._settings.api_token}"
-        request = urllib.request.Request(url, data=json.dumps(payload).encode(), headers=headers,
-                                         method="POST")
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                return _json_object(response.read(_RESPONSE_LIMIT_BYTES))
-        except urllib.error.HTTPError as exc:
-            with exc:
-                body = _json_object(exc.read(_RESPONSE_LIMIT_BYTES))
-            raise _sidecar_error(exc.code, body, payload.get("adapter_id")) from None
-        except (urllib.error.URLError, http.client.HTTPException, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise RouteError(
-                Status.UNAVAILABLE,
-                f"sidecar unreachable at {self._settings.sidecar_url} ({path}): {reason}; "
-                "check that lora-sidecar is running and the router's sidecar_url",
-            ) from exc
+        data = json.dumps(payload).encode()
+        while True:
+            connection, reused = self._connections.take(timeout_s)
+            if not reused:
+                self.connections_opened += 1
+            try:
+                connection.request("POST", path, body=data, headers=headers)
+                response = connection.getresponse()
+                raw = response.read(_RESPONSE_LIMIT_BYTES + 1)
+            except _STALE_CONNECTION:
+                connection.close()
+                if reused:
+                    continue  # it died while idle; the next one taken is fresher or new
+                raise self._unreachable(path, "the connection was closed") from None
+            except (OSError, http.client.HTTPException) as exc:
+                connection.close()
+                raise self._unreachable(path, str(exc) or type(exc).__name__) from exc
+            if response.will_close or len(raw) > _RESPONSE_LIMIT_BYTES:
+                connection.close()
+            else:
+                self._connections.give_back(connection)
+            body = _json_object(raw[:_RESPONSE_LIMIT_BYTES])
+            if response.status >= 400:
+                raise _sidecar_error(response.status, body, payload.get("adapter_id"))
+            return body
+
+    def _unreachable(self, path: str, reason: str) -> RouteError:
+        return RouteError(
+            Status.UNAVAILABLE,
+            f"sidecar unreachable at {self._settings.sidecar_url} ({path}): {reason}; "
+            "check that lora-sidecar is running and the router's sidecar_url",
+        )
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -287,7 +422,8 @@ def _sidecar_error(http_status: int, body: Mapping[str, Any], adapter_id: Any) -
     message = str(body.get("message", "")) or f"HTTP {http_status}"
     status = _STATUS_BY_CODE.get(code)
     if status is None:
-        status = Status.UNAVAILABLE if http_status == 503 else (
+        # A code this router predates: judged by the HTTP status, the way a proxy would.
+        status = Status.UNAVAILABLE if http_status in (503, 504, 507) else (
             Status.INVALID_ARG if 400 <= http_status < 500 else Status.INTERNAL)
     problems = body.get("problems")
     if code == "invalid_adapter" and isinstance(problems, list) and problems:

@@ -1,0 +1,80 @@
+"""Checks at start that need the outside world: settings that parse but cannot work.
+
+The rule, also in the README and `serve --help`: a problem that only the operator can fix
+stops the start (exit 2, every problem listed); one that can pass on its own does not (the
+sidecar starts, and /readyz says why it is not ready).
+
+- A local registry folder that does not exist, is not a folder, or cannot be read: stops it.
+- A registry that does not answer (an S3 endpoint down or slow, credentials refused, a bucket
+  not created yet): does not; S3 services often come up after the sidecar.
+- A pinned id the registry answers has nothing under it: stops it. When the registry does not
+  answer within START_CHECK_S, pins are not judged at start; they are staged once it answers,
+  and one it then reports missing keeps /readyz at 503 naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from .config import REGISTRY_START_CHECK_S, Settings, local_registry_problem, option_for
+from .errors import AdapterNotFound, SidecarError
+from .source import AdapterSource
+
+log = logging.getLogger(__name__)
+
+START_CHECK_S = REGISTRY_START_CHECK_S
+SHOWN_IDS = 10
+
+
+async def configuration_problems(settings: Settings, source: AdapterSource) -> list[str]:
+    """Every problem of `settings` that stops the start, each naming its option."""
+    if not settings.is_s3:
+        problem = await asyncio.to_thread(local_registry_problem, settings.registry)
+        if problem is not None:
+            return [problem]  # pins cannot be looked up without it
+    if not settings.pin:
+        return []
+    return await _missing_pins(settings, source)
+
+
+def _folder(registry: str) -> Path:
+    return Path(registry).expanduser().absolute()
+
+
+async def _missing_pins(settings: Settings, source: AdapterSource) -> list[str]:
+    missing: list[str] = []
+    answered = True
+    try:
+        async with asyncio.timeout(START_CHECK_S):
+            for adapter_id in settings.pin:
+                try:
+                    await source.list_files(adapter_id)
+                except AdapterNotFound:
+                    missing.append(adapter_id)
+    except (SidecarError, TimeoutError) as exc:
+        answered = False
+        why = exc.message if isinstance(exc, SidecarError) else f"no answer in {START_CHECK_S:g}s"
+        log.warning("could not check the pinned adapters at start (%s); starting: they are "
+                    "staged once the registry answers, and /readyz says why until then", why)
+    if not missing:
+        return []
+    option = option_for("pin")
+    held = await _registry_ids(source) if answered else ""
+    where = source.description if settings.is_s3 else f"folder {_folder(settings.registry)}"
+    return [f"{option.flag} ({option.env_var}): no adapter {adapter_id!r} in the registry "
+            f"{where}{held}" for adapter_id in missing]
+
+
+async def _registry_ids(source: AdapterSource) -> str:
+    """`" (it holds: a, b, …)"` to help spot a typo; empty when the registry cannot say."""
+    try:
+        async with asyncio.timeout(START_CHECK_S):
+            ids = await source.list_adapter_ids()
+    except (SidecarError, TimeoutError):
+        return ""
+    if not ids:
+        return " (it holds no adapter)"
+    more = f", … {len(ids)} in all" if len(ids) > SHOWN_IDS else ""
+    return f" (it holds: {', '.join(ids[:SHOWN_IDS])}{more})"

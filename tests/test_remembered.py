@@ -1,0 +1,138 @@
+"""Answers the sidecar remembers instead of asking again: a refusal says that it is remembered
+and until when, and `evict` forgets it; an unknown id costs one registry listing per
+--not-found-ttl, not one per request; an unpinned pin stops holding readiness back."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import aiohttp
+
+from sidecar.examples import write_adapter
+from tests.conftest import (
+    S3Registry,
+    StartSidecar,
+    call,
+    local_registry_adapter,
+    make_settings,
+    s3_settings,
+)
+from tests.processes import SidecarProcess, stage_blocking
+
+
+def unix_of(iso: str) -> float:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
+async def test_a_remembered_refusal_says_so_and_evict_forgets_it(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    folder = local_registry_adapter(tmp_path, "bad", rank=32)  # above --max-lora-rank 16
+    sidecar = await start_sidecar(make_settings(tmp_path, refusal_ttl_s=600.0))
+    stage_url = f"{sidecar.url}/stage"
+    before = time.time()
+    status, fresh = await call(http, "POST", stage_url, {"adapter_id": "bad"})
+    assert status == 422, fresh
+    assert fresh["remembered"] is False
+    until = unix_of(fresh["remembered_until"])
+    assert before + 600 - 1 <= until <= time.time() + 600 + 1
+    assert fresh["remembered_until"] in fresh["message"]
+
+    write_adapter(folder, rank=8)  # fixed in place in the registry
+    status, again = await call(http, "POST", stage_url, {"adapter_id": "bad"})
+    assert status == 422, again
+    assert again["remembered"] is True
+    assert again["remembered_until"] == fresh["remembered_until"]
+    assert again["refused_at"] == fresh["refused_at"]
+    assert "remembered" in again["message"] and fresh["remembered_until"] in again["message"]
+    assert "lora-sidecar evict bad" in again["message"]
+    assert again["problems"] == fresh["problems"]
+
+    status, forgot = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "bad"})
+    assert status == 200, forgot
+    assert forgot["forgot_refusal"] is True and forgot["freed_bytes"] == 0
+    status, staged = await call(http, "POST", stage_url, {"adapter_id": "bad", "lease": False})
+    assert status == 200 and staged["cached"] is False, staged
+    status, nothing = await call(http, "POST", f"{sidecar.url}/evict",
+                                 {"adapter_id": "never-asked"})
+    assert status == 404 and nothing["error"] == "not_cached"
+
+
+def test_lora_sidecar_evict_forgets_a_remembered_refusal(
+    tmp_path: Path, sidecar_processes: list[SidecarProcess]
+) -> None:
+    folder = local_registry_adapter(tmp_path, "bad", rank=32)
+    process = SidecarProcess(["--registry", str(tmp_path / "registry"), "--cache-root",
+                              str(tmp_path / "cache"), "--refusal-ttl", "600"],
+                             tmp_path / "sidecar.log")
+    sidecar_processes.append(process)
+    assert stage_blocking(process.url, "bad", 30)[0] == 422
+    write_adapter(folder, rank=8)
+    status, body = stage_blocking(process.url, "bad", 30)
+    assert status == 422 and body["remembered"] is True
+
+    done = subprocess.run([sys.executable, "-m", "sidecar", "evict", "bad", "--url", process.url],
+                          capture_output=True, text=True, timeout=60, env=dict(os.environ))
+    assert done.returncode == 0, done.stderr
+    assert "forgot the remembered refusal of bad" in done.stdout
+    status, body = stage_blocking(process.url, "bad", 30, lease=False)
+    assert status == 200, body
+
+
+def listings_of(s3: S3Registry, adapter_id: str) -> int:
+    return sum(1 for seen in s3.proxy.seen
+               if "list-type" in seen.query and f"prefix={s3.prefix}%2F{adapter_id}%2F" in
+               seen.query.replace("/", "%2F"))
+
+
+async def test_an_unknown_id_costs_one_listing_per_not_found_ttl_and_an_upload_is_found(
+    tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    ttl_s = 1.5
+    sidecar = await start_sidecar(s3_settings(tmp_path, s3, not_found_ttl_s=ttl_s))
+    stage_url = f"{sidecar.url}/stage"
+    for _ in range(20):  # a client retrying an id nobody uploaded yet
+        status, body = await call(http, "POST", stage_url, {"adapter_id": "ghost"})
+        assert status == 404 and body["error"] == "adapter_not_found", body
+    assert listings_of(s3, "ghost") == 1
+
+    s3.put_adapter("ghost")
+    uploaded = time.monotonic()
+    while True:
+        status, body = await call(http, "POST", stage_url, {"adapter_id": "ghost"})
+        if status == 200:
+            break
+        assert status == 404, body
+        assert time.monotonic() - uploaded < ttl_s + 1, "the upload was not found in time"
+        await asyncio.sleep(0.05)
+    assert listings_of(s3, "ghost") == 2  # listed again once the answer expired, not before
+
+
+async def test_unpinning_a_pin_still_pending_makes_the_sidecar_ready(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    local_registry_adapter(tmp_path, "ok")
+    local_registry_adapter(tmp_path, "refused", rank=32)  # can never be staged as it is
+    sidecar = await start_sidecar(make_settings(tmp_path, pin=("refused",)))
+    for _ in range(100):
+        status, ready = await call(http, "GET", f"{sidecar.url}/readyz")
+        if "pin refused" in ready.get("message", ""):
+            break
+        await asyncio.sleep(0.05)
+    assert status == 503 and "pin refused: invalid_adapter" in ready["message"], ready
+
+    status, body = await call(http, "POST", f"{sidecar.url}/unpin", {"adapter_id": "refused"})
+    assert status == 200 and body["was_pinned"] is True, body
+    status, ready = await call(http, "GET", f"{sidecar.url}/readyz")
+    assert status == 200, ready
+    tasks = {task.get_name() for task in asyncio.all_tasks()}
+    assert "pin:refused" not in tasks, "the pin is still being retried"
+    status, body = await call(http, "POST", f"{sidecar.url}/stage",
+                              {"adapter_id": "ok", "lease": False})
+    assert status == 200
