@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import statistics
@@ -29,6 +30,7 @@ from moto.server import ThreadedMotoServer
 
 from benchmarks.router_overhead import _wait_for_catalog, percentile
 from sidecar.examples import write_adapter
+from sidecar.shapes import TINY_LLAMA
 from tests.s3proxy import S3Proxy, Seen
 from tests.triton.harness import REPO_ROOT, ROUTER, TRITON_REPO, TritonServer, free_port
 from tests.triton.harness import router_config as make_router_config
@@ -57,16 +59,19 @@ def call(url: str, adapter_id: str) -> float:
 
 
 def checkout(revision: str, dest: Path) -> Path:
-    """triton_repo as it was at `revision`."""
+    """triton_repo and the sidecar as they were at `revision` (a router sends what the
+    sidecar of its time answers: the names it hands out changed since)."""
     dest.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", revision, "triton_repo"],
-                             capture_output=True, check=True).stdout
+    archive = subprocess.run(["git", "-C", str(REPO_ROOT), "archive", revision, "triton_repo",
+                              "sidecar"], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    return dest / "triton_repo"
+    return dest
 
 
-def measure(label: str, repository: Path, workdir: Path, s3_url: str, proxy: S3Proxy,
+def measure(label: str, tree: Path | None, workdir: Path, s3_url: str, proxy: S3Proxy,
             hold_s: float, calls: int) -> dict[str, Any]:
+    """`tree`: a checkout of the router and the sidecar (None: the working tree)."""
+    repository = TRITON_REPO if tree is None else tree / "triton_repo"
     cache = workdir / "cache"
     cache.mkdir(parents=True)
     server = TritonServer.start(workdir, cache / "multi_lora.json", source=repository)
@@ -74,10 +79,19 @@ def measure(label: str, repository: Path, workdir: Path, s3_url: str, proxy: S3P
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORA_SIDECAR_")}
     env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
                AWS_DEFAULT_REGION="us-east-1")
+    python = [sys.executable, "-m", "sidecar"]
+    if tree is not None:
+        python = [sys.executable, "-P", "-m", "sidecar"]
+        env["PYTHONPATH"] = str(tree)
+    # The base model's shapes: the catalog's spare names serve each cold adapter once it is on
+    # disk, with no engine reload.
+    base_config = workdir / "base-model-config.json"
+    base_config.write_text(json.dumps(TINY_LLAMA.to_config()))
     sidecar = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", "serve", "--registry", f"s3://{BUCKET}/lora",
+        [*python, "serve", "--registry", f"s3://{BUCKET}/lora",
          "--s3-endpoint-url", proxy.url, "--cache-root", str(cache), "--port", str(port),
          "--triton-url", server.http_url, "--triton-reload-min-interval", "0",
+         "--base-model-config", str(base_config),
          "--min-free-disk", "0", "--log-level", "WARNING"], env=env)
     sidecar_url = f"http://127.0.0.1:{port}"
     try:
@@ -112,8 +126,8 @@ def measure(label: str, repository: Path, workdir: Path, s3_url: str, proxy: S3P
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", default="68f66dd",
-                        help="git revision of the router to compare with (default: the one "
-                             "that held an instance per request)")
+                        help="git revision of the router (and its sidecar) to compare with "
+                             "(default: the one that held an instance per request)")
     parser.add_argument("--hold", type=float, default=4.0,
                         help="seconds each cold adapter's download is held back")
     parser.add_argument("--calls", type=int, default=40,
@@ -149,13 +163,14 @@ def main(argv: list[str] | None = None) -> int:
             before = checkout(args.before, Path(tmp) / "before")
             rows.append(measure("before", before, Path(tmp) / "run-before", proxy.url, proxy,
                                 args.hold, args.calls))
-            rows.append(measure("after", TRITON_REPO, Path(tmp) / "run-after", proxy.url, proxy,
+            rows.append(measure("after", None, Path(tmp) / "run-after", proxy.url, proxy,
                                 args.hold, args.calls))
     finally:
         proxy.stop()
         moto.stop()
     print(f"warm calls (one client, sequential) while {COLD} cold downloads are held back "
-          f"{args.hold:g} s; before = {args.before}, after = the working tree")
+          f"{args.hold:g} s; before = router and sidecar at {args.before}, after = the working "
+          "tree")
     print("| router | idle p50 ms | warm calls | warm p50 ms | warm p99 ms | warm max ms | "
           "cold p50 s |")
     print("|---|---|---|---|---|---|---|")

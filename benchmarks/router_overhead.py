@@ -28,6 +28,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from sidecar.examples import write_adapter
+from sidecar.shapes import TINY_LLAMA
 from tests.triton.harness import (
     REPO_ROOT,
     ROUTER,
@@ -50,12 +51,12 @@ def _bytes(name: str, value: str) -> grpcclient.InferInput:
 class DirectCaller:
     """vllm_model over a gRPC stream (it is decoupled), as the router's BLS call reaches it."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, lora_name: str) -> None:
         self._client = grpcclient.InferenceServerClient(url)
         self._answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
         self._client.start_stream(callback=lambda result, error: self._answers.put((result,
                                                                                      error)))
-        sampling = json.dumps({"temperature": 0, "max_tokens": 256, "lora_name": ADAPTER_ID})
+        sampling = json.dumps({"temperature": 0, "max_tokens": 256, "lora_name": lora_name})
         exclude = grpcclient.InferInput("exclude_input_in_output", [1], "BOOL")
         exclude.set_data_from_numpy(np.array([True]))
         self._inputs = [_bytes("text_input", PROMPT), _bytes("sampling_parameters", sampling),
@@ -90,6 +91,12 @@ class SidecarRoundTrip:
     def __init__(self, sidecar_url: str) -> None:
         routing = _load_routing()
         self._client = routing.SidecarClient(routing.RouterSettings(sidecar_url=sidecar_url))
+
+    def lora_name(self) -> str:
+        """The name vllm_model knows the adapter by (a spare name bound to it, or its id)."""
+        lease = self._client.stage(ADAPTER_ID)
+        self._client.release(lease.lease_id)
+        return str(lease.lora_name)
 
     def __call__(self) -> None:
         lease = self._client.stage(ADAPTER_ID)
@@ -165,10 +172,15 @@ def node(workdir: Path, delay_s: float) -> Iterator[tuple[TritonServer, str]]:
                                 env={"STANDIN_VLLM_DELAY_S": str(delay_s)})
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORA_SIDECAR_")}
+    # The base model's shapes: the adapter, staged by the first call, is served under a spare
+    # catalog name with no engine reload.
+    base_config = workdir / "base-model-config.json"
+    base_config.write_text(json.dumps(TINY_LLAMA.to_config()))
     sidecar = subprocess.Popen(
         [sys.executable, "-m", "sidecar", "serve", "--registry", str(registry),
          "--cache-root", str(cache), "--port", str(port), "--triton-url", server.http_url,
-         "--triton-reload-min-interval", "0", "--log-level", "WARNING"],
+         "--triton-reload-min-interval", "0", "--base-model-config", str(base_config),
+         "--log-level", "WARNING"],
         env=env,
     )
     sidecar_url = f"http://127.0.0.1:{port}"
@@ -200,10 +212,10 @@ def _wait_for_catalog(sidecar_url: str, timeout_s: float = 60.0) -> None:
 def measure_overhead(workdir: Path, calls: int) -> dict[str, float]:
     with node(workdir, delay_s=0.0) as (server, sidecar_url):
         server.load(ROUTER, router_config(sidecar_url, instances=1))
-        direct, routed = DirectCaller(server.grpc_url), RouterCaller(server.grpc_url)
-        sidecar = SidecarRoundTrip(sidecar_url)
+        routed, sidecar = RouterCaller(server.grpc_url), SidecarRoundTrip(sidecar_url)
+        routed()  # the cold stage happens here, outside the measurement
+        direct = DirectCaller(server.grpc_url, sidecar.lora_name())
         try:
-            routed()  # the cold stage happens here, outside the measurement
             samples = latencies_ms({"direct": direct, "router": routed, "sidecar": sidecar},
                                    calls)
         finally:

@@ -23,6 +23,7 @@ from .errors import (
     BadRequest,
     CacheFull,
     CacheUnwritable,
+    CatalogDisabled,
     CatalogPending,
     CatalogReloading,
     InvalidAdapter,
@@ -51,6 +52,7 @@ STATUS: dict[type[SidecarError], int] = {
     NotCached: 404,
     LeaseNotFound: 404,
     AdapterInUse: 409,
+    CatalogDisabled: 409,
     InvalidAdapter: 422,
     SourceChanged: 502,
     SourceError: 502,
@@ -87,10 +89,18 @@ class Readiness(Protocol):
     def problems(self) -> list[str]: ...
 
 
+class RegistryStatus(Protocol):
+    def status(self) -> dict[str, Any]: ...
+
+
 class CatalogView(Protocol):
     def status(self) -> dict[str, Any]: ...
 
-    def check_servable(self, adapter_id: str) -> None: ...
+    def lora_name(self, adapter_id: str) -> str | None: ...
+
+    async def bind(self, adapter_id: str) -> str: ...
+
+    def request_compaction(self) -> dict[str, Any]: ...
 
 
 @dataclass(slots=True)
@@ -105,6 +115,7 @@ class Services:
     recovered: asyncio.Event | None = None  # None: nothing to recover (set up in tests)
     on_unpin: Callable[[str], bool] | None = None  # unpins pins still pending, too
     epp: EppExporter | None = None  # /metrics/epp, when --epp-metrics is on
+    registry: RegistryStatus | None = None  # the registry's last listing, shown by /catalog
     triton_adapters_prefix: str = field(init=False)
     local_adapters_prefix: str = field(init=False)
     stage_fragments: dict[str, tuple[CachedAdapter, str]] = field(init=False, default_factory=dict)
@@ -126,9 +137,10 @@ _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
     "evict": {"adapter_id": (str,), "force": (bool,)},
     "pin": {"adapter_id": (str,), "timeout_s": (int, float)},
     "unpin": {"adapter_id": (str,)},
+    "compact": {},
 }
 _REQUIRED = {"stage": "adapter_id", "release": "lease_id", "evict": "adapter_id",
-             "pin": "adapter_id", "unpin": "adapter_id"}
+             "pin": "adapter_id", "unpin": "adapter_id", "compact": None}
 
 
 async def _read_body(request: web.Request) -> bytes:
@@ -169,7 +181,7 @@ async def _body(request: web.Request, kind: str) -> dict[str, Any]:
         raise BadRequest(f"unknown field(s) {', '.join(map(repr, unknown))[:200]}; "
                          f"expected {', '.join(fields)}")
     required = _REQUIRED[kind]
-    if required not in body:
+    if required is not None and required not in body:
         raise BadRequest(f"missing field {required!r}")
     for name, value in body.items():
         types = fields[name]
@@ -237,7 +249,7 @@ def adapter_view(services: Services, adapter: CachedAdapter) -> dict[str, Any]:
     }
 
 
-def _stage_json(services: Services, result: StageResult) -> str:
+def _stage_json(services: Services, result: StageResult, lora_name: str) -> str:
     """The /stage answer. This is the hit path in front of every inference request, so the
     fields that do not change between answers are encoded once per published adapter and
     only the lease is added each time."""
@@ -260,7 +272,9 @@ def _stage_json(services: Services, result: StageResult) -> str:
     else:  # a hex id and a timestamp: nothing in them needs escaping
         lease_fields = (f'"lease_id": "{lease.lease_id}", '
                         f'"lease_expires_at": "{iso_utc(lease.expires_at_unix)}"')
-    return f'{cached[1]}, "cached": {"true" if result.cached else "false"}, {lease_fields}}}'
+    # An adapter id or a spare name: neither needs escaping.
+    return (f'{cached[1]}, "lora_name": "{lora_name}", '
+            f'"cached": {"true" if result.cached else "false"}, {lease_fields}}}')
 
 
 # ---- handlers ----------------------------------------------------------------------------
@@ -274,18 +288,21 @@ async def stage(request: web.Request) -> web.Response:
     result = await services.stager.stage(
         adapter_id, timeout_s=_stage_timeout(services, body), lease=body.get("lease", True)
     )
+    lora_name = adapter_id
     if services.catalog is not None:
-        # Checked after staging, so an unknown or invalid adapter says so first, and one not
-        # yet in Triton's catalog is on disk by the time Triton can serve it.
+        # After staging, so an unknown or invalid adapter says so first, and a spare name is
+        # bound only to an adapter validated and published.
         try:
-            services.catalog.check_servable(adapter_id)
+            lora_name = services.catalog.lora_name(adapter_id) or await services.catalog.bind(
+                adapter_id)
         except SidecarError:
             if result.lease is not None:
                 services.store.release(result.lease.lease_id)
                 if services.store.trim():
                     services.purge_trash()
             raise
-    return web.Response(text=_stage_json(services, result), content_type="application/json")
+    return web.Response(text=_stage_json(services, result, lora_name),
+                        content_type="application/json")
 
 
 async def release(request: web.Request) -> web.Response:
@@ -415,9 +432,21 @@ async def metrics_epp(request: web.Request) -> web.Response:
 
 async def catalog(request: web.Request) -> web.Response:
     services = _services(request)
+    body: dict[str, Any] = ({"enabled": False} if services.catalog is None
+                            else services.catalog.status())
+    if services.registry is not None:
+        body["registry"] = services.registry.status()
+    return web.json_response(body)
+
+
+async def compact(request: web.Request) -> web.Response:
+    _authorize(request)
+    services = _services(request)
+    if request.content_length:
+        await _body(request, "compact")
     if services.catalog is None:
-        return web.json_response({"enabled": False})
-    return web.json_response(services.catalog.status())
+        raise CatalogDisabled("this sidecar renders no catalog: there is nothing to compact")
+    return web.json_response(services.catalog.request_compaction(), status=202)
 
 
 # ---- errors ------------------------------------------------------------------------------
@@ -490,6 +519,7 @@ ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("GET", "/metrics", metrics),
     ("GET", "/metrics/epp", metrics_epp),
     ("GET", "/catalog", catalog),
+    ("POST", "/catalog/compact", compact),
 )
 # What the --metrics-host listener serves: read-only, nothing about a tenant's adapter.
 READ_ONLY_ROUTES: tuple[tuple[str, str, Handler], ...] = tuple(

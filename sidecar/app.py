@@ -27,6 +27,7 @@ from .logs import configure_logging, fields
 from .metrics import Metrics
 from .ownership import EXIT_CACHE_OWNED, CacheLock
 from .preflight import configuration_problems
+from .registry_view import RegistryView
 from .seed import REPOSITORY_DIR, seed_model_repository
 from .source import AdapterSource, S3Source
 from .stager import Stager
@@ -110,7 +111,12 @@ class Sidecar:
             on_trash=self.purge_trash,
             on_source_result=self._note_source_result,
         )
-        self.catalog = Catalog(settings, self.source, self.metrics)
+        self.catalog = Catalog(settings, self.store, self.rules, self.metrics)
+        self.store.before_evict = self.catalog.names.before_evict
+        self.store.after_forget = self.catalog.names.after_forget
+        self.registry_view = RegistryView(
+            self.source, settings.catalog_refresh_s,
+            lambda: (adapter.adapter_id for adapter in self.store.adapters()))
         self.watcher = Watcher(self.store, self.rules, self.metrics, on_trash=self.purge_trash)
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
@@ -157,7 +163,7 @@ class Sidecar:
         self.lock.set_port(self.port)
         recovery = self._spawn(self._recover_then_serve(), "recovery")
         self._spawn(self._health_loop(), "health")
-        self._spawn(self.catalog.run(), "catalog")
+        self._spawn(self.registry_view.run(), "registry-listing")
         log.info("lora-sidecar listening on http://%s:%d registry=%s cache_root=%s",
                  self.settings.host, self.port, self.source.description,
                  self.settings.cache_root)
@@ -181,6 +187,7 @@ class Sidecar:
             settings=self.settings, store=self.store, stager=self.stager, metrics=self.metrics,
             readiness=self, purge_trash=self.purge_trash, catalog=self.catalog,
             recovered=self.recovered, on_unpin=self.unpin, epp=self.epp,
+            registry=self.registry_view,
         )
         self._runner, self.port = await _serve_http(build_web_app(services),
                                                     self.settings.host, self.settings.port)
@@ -251,8 +258,16 @@ class Sidecar:
         except Exception as exc:
             log.exception("recovering the cache failed")
             self.health.set("recovery", f"recovering the cache failed: {exc}")
+        try:
+            # After the cache's index (a generation lists what is on disk), before the API
+            # answers /stage (which asks the catalog for the name to send).
+            await self.catalog.start()
+        except Exception as exc:
+            log.exception("starting the catalog failed")
+            self.health.set("catalog", f"starting the catalog failed: {exc}")
         finally:
             self.recovered.set()  # a failed recovery is reported by /readyz, not by hanging
+        self._spawn(self.catalog.run(), "catalog")
         await self.watcher.start()
         self._spawn(self.watcher.run(), "watcher")
         self._spawn(self._expire_leases_loop(), "leases")

@@ -59,6 +59,37 @@ class TritonReload(Enum):
     UNLOAD_FIRST = "unload-first"
 
 
+@dataclass(frozen=True, slots=True)
+class CompactionWindow:
+    """A daily quiet window in UTC, `HH:MM-HH:MM`; it may wrap past midnight."""
+
+    start_min: int
+    end_min: int
+
+    @property
+    def text(self) -> str:
+        return (f"{self.start_min // 60:02d}:{self.start_min % 60:02d}-"
+                f"{self.end_min // 60:02d}:{self.end_min % 60:02d} UTC")
+
+    def _minute(self, unix_s: float) -> float:
+        return (unix_s % 86400.0) / 60.0
+
+    def contains(self, unix_s: float) -> bool:
+        minute = self._minute(unix_s)
+        if self.start_min <= self.end_min:
+            return self.start_min <= minute < self.end_min
+        return minute >= self.start_min or minute < self.end_min
+
+    def seconds_until_start(self, unix_s: float) -> float:
+        """0 inside the window, else the seconds until it opens."""
+        if self.contains(unix_s):
+            return 0.0
+        return ((self.start_min - self._minute(unix_s)) % 1440.0) * 60.0
+
+    def seconds_since_start(self, unix_s: float) -> float:
+        return ((self._minute(unix_s) - self.start_min) % 1440.0) * 60.0
+
+
 class LogFormat(Enum):
     TEXT = "text"
     JSON = "json"
@@ -159,6 +190,30 @@ def _parse_http_url(text: str) -> str | None:
     if url and not re.match(r"^https?://[^/\s]+", url):
         raise ValueError("use http(s)://host:port")
     return url or None
+
+
+def _parse_window(text: str) -> CompactionWindow | None:
+    if not text.strip():
+        return None
+    match = re.fullmatch(r"\s*([0-9]{1,2}):([0-9]{2})\s*-\s*([0-9]{1,2}):([0-9]{2})\s*", text)
+    if match is None:
+        raise ValueError("use HH:MM-HH:MM (UTC), e.g. 02:00-04:00")
+    hours_a, minutes_a, hours_b, minutes_b = (int(g) for g in match.groups())
+    if hours_a > 23 or hours_b > 23 or minutes_a > 59 or minutes_b > 59:
+        raise ValueError("hours are 00-23 and minutes 00-59")
+    start, end = hours_a * 60 + minutes_a, hours_b * 60 + minutes_b
+    if start == end:
+        raise ValueError("the window must not be empty")
+    return CompactionWindow(start, end)
+
+
+def _parse_optional_count(text: str) -> int | None:
+    if not text.strip() or text.strip() == "auto":
+        return None
+    value = _parse_int(text)
+    if value < 0:
+        raise ValueError("must be 0 or more, or auto")
+    return value
 
 
 def _parse_host(text: str) -> str:
@@ -351,7 +406,21 @@ OPTIONS: tuple[Option, ...] = (
            "the base model's config.json; when set, tensor shapes are checked against it",
            "FILE"),
     Option("catalog_refresh_s", "--catalog-refresh", _positive(_parse_float), "30",
-           "seconds between listings of the registry for multi_lora.json", "SECONDS"),
+           "longest seconds between two looks at the catalog (quiet window, generations to "
+           "retire; changes are acted on at once), and seconds between two listings of the "
+           "registry (GET /catalog's registry view; folders that cannot be adapters are logged "
+           "and counted)", "SECONDS"),
+    Option("spare_names", "--spare-names", _at_least(_parse_int, 0, "0 or more"), "32",
+           "spare names each catalog generation lists, bound to new adapters without a reload "
+           "(needs --base-model-config); 0: every adapter the loaded catalog does not list "
+           "costs a reload", "N"),
+    Option("compact_below", "--compact-below", _parse_optional_count, "auto",
+           "plan a compaction (a new generation and a reload) when this many spare names or "
+           "fewer are left (auto: a quarter of --spare-names); with --compaction-window it "
+           "waits for the window unless no spare is left", "N"),
+    Option("compaction_window", "--compaction-window", _parse_window, "",
+           "daily quiet window, HH:MM-HH:MM in UTC, in which the catalog is compacted if "
+           "anything was bound or evicted since it was rendered", "HH:MM-HH:MM"),
     Option("triton_url", "--triton-url", _parse_http_url, "",
            "Triton's HTTP endpoint (explicit model control), e.g. http://localhost:8000; "
            "when set, the vLLM model is reloaded when the catalog changes", "URL"),
@@ -361,6 +430,10 @@ OPTIONS: tuple[Option, ...] = (
            "never | on-change (new engine loads beside the old, no downtime, two engines' "
            "memory) | unload-first (old engine unloaded first: downtime, one engine's memory)",
            "MODE"),
+    Option("triton_probe_timeout_s", "--triton-probe-timeout", _positive(_parse_float), "5",
+           "seconds a readiness probe of the vLLM model may take; the engine is declared lost "
+           "only after 3 failed probes over 5 s, or when Triton says it is not ready",
+           "SECONDS"),
     Option("triton_reload_min_interval_s", "--triton-reload-min-interval",
            _at_least(_parse_float, 0, "0 or more"), "60",
            "least seconds between two reloads of the vLLM model", "SECONDS"),
@@ -420,10 +493,14 @@ class Settings:
     base_model: str | None = None
     base_model_config: Path | None = None
     catalog_refresh_s: float = 30.0
+    spare_names: int = 32
+    compact_below: int | None = None
+    compaction_window: CompactionWindow | None = None
     triton_url: str | None = None
     triton_model: str = "vllm_model"
     triton_reload: TritonReload = TritonReload.ON_CHANGE
     triton_reload_min_interval_s: float = 60.0
+    triton_probe_timeout_s: float = 5.0
     api_token: str | None = field(default=None, repr=False)
     api_token_file: Path | None = None
     max_request_bytes: int = 64 * 1024
@@ -437,6 +514,13 @@ class Settings:
         """Triton's view of the cache root; always absolute (vLLM reads relative paths as
         hub ids)."""
         return self.triton_cache_root or self.cache_root.absolute()
+
+    @property
+    def compact_below_spares(self) -> int:
+        """Spares left at or below which a compaction is planned."""
+        if self.compact_below is not None:
+            return self.compact_below
+        return self.spare_names // 4
 
     @property
     def is_s3(self) -> bool:
@@ -485,6 +569,8 @@ class Settings:
                 value = format_size(value)
             elif isinstance(value, Path):
                 value = str(value)
+            elif isinstance(value, CompactionWindow):
+                value = value.text
             elif isinstance(value, str):
                 value = hide_password(value)
             shown[option.field] = value
@@ -506,6 +592,9 @@ def _check(p: Mapping[str, Any]) -> Iterable[str]:
     """Checks across options; only run once every option parsed on its own."""
     if len(p["pin"]) > p["max_adapters"]:
         yield f"--pin lists {len(p['pin'])} adapters but --max-adapters is {p['max_adapters']}"
+    if p["compact_below"] is not None and 0 < p["spare_names"] <= p["compact_below"]:
+        yield (f"--compact-below {p['compact_below']} must be less than --spare-names "
+               f"{p['spare_names']}: every binding would plan a compaction")
     if p["metrics_host"] == p["host"] and p["metrics_port"] == p["port"] and p["port"] != 0:
         yield (f"--metrics-host/--metrics-port {p['metrics_host']}:{p['metrics_port']} is the "
                "API's own address; give the read-only listener another port")

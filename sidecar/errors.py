@@ -196,6 +196,12 @@ class CatalogReloading(SidecarError):
     code = "catalog_reloading"
 
 
+class CatalogDisabled(SidecarError):
+    """A catalog call to a sidecar that renders no catalog."""
+
+    code = "catalog_disabled"
+
+
 class CacheUnwritable(SidecarError):
     """The cache volume refuses writes (read-only, permissions)."""
 

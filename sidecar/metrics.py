@@ -122,8 +122,31 @@ class Metrics:
             "valid adapter ids (and, in a local registry, symbolic links).", registry=r,
         )
         self.catalog_adapters = Gauge(
-            "lora_sidecar_catalog_adapters", "Adapter ids in the rendered multi_lora.json.",
+            "lora_sidecar_catalog_adapters", "Adapters the rendered multi_lora.json lists by "
+            "their own names.",
             registry=r,
+        )
+        self.catalog_generation = Gauge(
+            "lora_sidecar_catalog_generation", "Number of the generation multi_lora.json holds.",
+            registry=r,
+        )
+        self.catalog_bindings = Counter(
+            "lora_sidecar_catalog_bindings", "Spare catalog names bound to new adapters (each "
+            "one an adapter served without a reload).", registry=r,
+        )
+        self.catalog_spares_left = Gauge(
+            "lora_sidecar_catalog_spares_left", "Unbound spare names in the generation the "
+            "serving engine loaded.", registry=r,
+        )
+        self.catalog_compactions = Counter(
+            "lora_sidecar_catalog_compactions", "New catalog generations rendered to replace "
+            "one in use, by reason (exhausted, spares_low, window, requested, engine_lost).",
+            ["reason"], registry=r,
+        )
+        self.triton_model_state = Gauge(
+            "lora_sidecar_triton_model_state", "1 for the state the sidecar sees Triton's vLLM "
+            "model in (starting, unreachable, absent, unconfirmed, serving, suspect, loading).",
+            ["state"], registry=r,
         )
         self.triton_reloads = Counter(
             "lora_sidecar_triton_reloads", "Reloads of the vLLM model asked of Triton, by outcome.",
@@ -134,6 +157,8 @@ class Metrics:
             self.stage_duration.labels(result=result)
         for reason in ("lru", "manual", "forced", "external"):
             self.evictions.labels(reason=reason)
+        for reason in ("exhausted", "spares_low", "window", "requested", "engine_lost"):
+            self.catalog_compactions.labels(reason=reason)
         if process:
             ProcessCollector(registry=r)
             PlatformCollector(registry=r)

@@ -235,6 +235,10 @@ class AdapterStore:
         self._reservations: list[Reservation] = []
         self._pins: set[str] = set()
         self._trash_pending: list[Path] = []
+        # The catalog's hooks: before a published folder leaves adapters/ (a bound spare name
+        # keeps its files), and after one vanished or changed outside the sidecar.
+        self.before_evict: Callable[[str, Path], None] = lambda adapter_id, folder: None
+        self.after_forget: Callable[[str], None] = lambda adapter_id: None
         self.journal: LeaseJournal | None = None  # set by the recovery, once it is read
 
     @property
@@ -695,11 +699,13 @@ class AdapterStore:
         for lease_id in self._lease_ids_of(adapter_id):
             self._end_lease(lease_id)
         self._count_eviction(adapter, EvictReason.EXTERNAL)
+        self.after_forget(adapter_id)
         return adapter
 
     def _evict_now(self, adapter_id: str, reason: EvictReason) -> Eviction:
         adapter = self._index.pop(adapter_id)
         target = self.trash_dir / f"{adapter_id}.{secrets.token_hex(6)}"
+        self.before_evict(adapter_id, self.path_of(adapter_id))
         try:
             # One rename: readers see the whole folder or nothing, never half of it.
             os.rename(self.path_of(adapter_id), target)

@@ -79,6 +79,17 @@ def sidecar_env(docs: list[dict[str, Any]]) -> dict[str, str]:
     return env
 
 
+BASE_MODEL_CONFIG = "LORA_SIDECAR_BASE_MODEL_CONFIG"
+
+
+def sidecar_settings(env: dict[str, str]) -> Settings:
+    """The settings the sidecar would start with (every variable a real option, every value
+    valid), but for the base model's config.json, a file of the pod's base-model volume that
+    does not exist here (test_the_cache_volume_is_where_the_sidecars_settings_say checks its
+    mount)."""
+    return Settings.from_env({k: v for k, v in env.items() if k != BASE_MODEL_CONFIG})
+
+
 def test_there_is_a_base_and_the_routing_overlays() -> None:
     assert set(OVERLAYS) >= {"base", "overlays/haproxy", "overlays/llm-d", "overlays/istio",
                              "overlays/envoy-gateway"}
@@ -156,10 +167,18 @@ def test_the_cache_volume_is_where_the_sidecars_settings_say(
         statefulset = one(docs, "StatefulSet", "lora-node")
         pod = pod_of(docs)
         env = sidecar_env(docs)
-        settings = Settings.from_env(env)  # every variable is a real option, every value valid
+        # A file of the pod's base-model volume, checked below against the mounts (it does not
+        # exist here).
+        settings = sidecar_settings(env)
         claims = {t["metadata"]["name"] for t in statefulset["spec"]["volumeClaimTemplates"]}
         mounts = {name: {m["name"]: m for m in container(pod, name)["volumeMounts"]}
                   for name in ("lora-sidecar", "triton")}
+        # The sidecar reads the base model's config.json from the volume Triton loads the
+        # model from: spare catalog names and the shape checks need it.
+        base = mounts["lora-sidecar"]["base-model"]
+        assert Path(env[BASE_MODEL_CONFIG]).parent == Path(base["mountPath"]), overlay
+        assert base.get("readOnly") is True, overlay
+        assert "base-model" in mounts["triton"], overlay
         cache = "cache"
         assert cache in claims, overlay
         assert mounts["lora-sidecar"][cache]["mountPath"] == str(settings.cache_root), overlay
@@ -186,7 +205,7 @@ def test_the_api_stays_on_loopback_and_metrics_are_on_the_pod_ip(
         pod = pod_of(docs)
         sidecar = container(pod, "lora-sidecar")
         env = sidecar_env(docs)
-        settings = Settings.from_env(env)
+        settings = sidecar_settings(env)
         assert is_loopback(settings.host), overlay
         metrics_host = next(e for e in sidecar["env"] if e["name"] == "LORA_SIDECAR_METRICS_HOST")
         assert metrics_host["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP", overlay
@@ -217,7 +236,7 @@ def test_probes_point_at_ports_the_containers_declare(
                          for p in container(pod, "lora-sidecar")["ports"]}
         for port in probe_ports(container(pod, "lora-sidecar")):
             number = sidecar_ports.get(port, port)
-            assert number == Settings.from_env(sidecar_env(docs)).metrics_port, overlay
+            assert number == sidecar_settings(sidecar_env(docs)).metrics_port, overlay
 
 
 def test_the_statefulset_names_its_headless_service_and_the_pdb_covers_its_pods(
@@ -299,7 +318,7 @@ def test_haproxy_hashes_with_bounded_load_checks_both_readinesses_and_retries_el
     docs = rendered["overlays/haproxy"]
     config = haproxy_config(docs)
     statefulset = one(docs, "StatefulSet", "lora-node")
-    env = Settings.from_env(sidecar_env(docs))
+    env = sidecar_settings(sidecar_env(docs))
     pods = [f"lora-node-{n}.{statefulset['spec']['serviceName']}"
             for n in range(statefulset["spec"]["replicas"])]
     for name, port in (("triton_http", 8000), ("triton_grpc", 8001)):
@@ -342,7 +361,7 @@ def test_the_llm_d_overlay_labels_the_engine_and_turns_on_the_epp_metrics(
 ) -> None:
     docs = rendered["overlays/llm-d"]
     labels = one(docs, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
-    settings = Settings.from_env(sidecar_env(docs))
+    settings = sidecar_settings(sidecar_env(docs))
     pool = one(docs, "InferencePool")
     epp = yaml.safe_load(next(d for d in docs if d["kind"] == "ConfigMap"
                               and "epp-config.yaml" in d.get("data", {}))["data"][

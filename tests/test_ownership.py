@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import local_registry_adapter
-from tests.processes import SidecarProcess, free_port, post_blocking, stage_blocking
+from tests.processes import (
+    SidecarProcess,
+    free_port,
+    get_blocking,
+    post_blocking,
+    stage_blocking,
+)
 
 SECOND_START_TIMEOUT_S = 30
 EXIT_CACHE_OWNED = 3  # the README's exit code for "another process owns the cache root"
@@ -36,10 +42,37 @@ def run_second(tmp_path: Path, port: int, *extra: str) -> tuple[subprocess.Compl
     return done, time.monotonic() - started
 
 
+def wait_catalog_lists(url: str, adapter_ids: set[str], timeout_s: float = 30) -> None:
+    """The first process renders its catalog after each new adapter, on its own: the snapshot
+    is taken once that work is done, so only a second process could change it afterwards."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, body = get_blocking(url, "/catalog")
+        listed = body.get("adapter_ids")
+        if status == 200 and isinstance(listed, list) and adapter_ids <= set(listed):
+            return
+        assert time.monotonic() < deadline, f"the catalog never listed {adapter_ids}: {body}"
+        time.sleep(0.1)
+
+
 def cache_state(cache: Path) -> dict[str, object]:
     """Everything a second process could have changed: names under the cache, and sizes."""
     return {str(p.relative_to(cache)): (p.stat().st_size if p.is_file() else "dir")
             for p in sorted(cache.rglob("*")) if p.name != ".leases"}
+
+
+def settled_state(cache: Path, timeout_s: float = 10) -> dict[str, object]:
+    """The cache once the first process's own follow-up writes (the catalog's journal after a
+    new generation) are done: unchanged over half a second."""
+    deadline = time.monotonic() + timeout_s
+    state = cache_state(cache)
+    while True:
+        time.sleep(0.5)
+        again = cache_state(cache)
+        if again == state:
+            return state
+        assert time.monotonic() < deadline, "the first process never stopped writing its cache"
+        state = again
 
 
 @pytest.mark.parametrize("same_port", [False, True], ids=["other port", "same port"])
@@ -62,7 +95,8 @@ def test_a_second_serve_on_the_same_cache_exits_at_once_and_touches_nothing(
     download.mkdir()
     (download / "adapter_model.safetensors").write_bytes(b"x" * 4096)
     (cache / ".trash" / "old.0123456789ab").mkdir()
-    before = cache_state(cache)
+    wait_catalog_lists(first.url, {"a", "b"})
+    before = settled_state(cache)
 
     # A smaller budget: a second owner would evict the leased adapters to meet it at once.
     done, elapsed_s = run_second(tmp_path, first.port if same_port else free_port(),
@@ -142,7 +176,8 @@ def test_a_second_view_of_the_same_volume_is_refused_too(
         pytest.fail(f"cannot bind-mount the cache (uid {os.getuid()}): {bound.stderr.strip()}; "
                     "this test needs root or CAP_SYS_ADMIN, as in CI")
     try:
-        before = cache_state(view)
+        wait_catalog_lists(first.url, {"a"})
+        before = settled_state(view)
         done = subprocess.run(
             [sys.executable, "-m", "sidecar", "serve", "--port", str(free_port()),
              "--registry", str(tmp_path / "registry"), "--cache-root", str(view),

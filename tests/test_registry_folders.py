@@ -29,13 +29,15 @@ GAUGE = "lora_sidecar_registry_skipped_folders"
 
 
 async def listings(http: aiohttp.ClientSession, url: str, count: int) -> None:
-    """Wait until the catalog has listed the registry `count` more times."""
+    """Wait until the registry has been listed `count` more times (GET /catalog shows when it
+    was last listed)."""
     seen: list[object] = []
 
     async def listed() -> bool:
         _, body = await call(http, "GET", f"{url}/catalog")
-        if not seen or body["listed_at"] != seen[-1]:
-            seen.append(body["listed_at"])
+        listed_at = body["registry"]["listed_at"]
+        if not seen or listed_at != seen[-1]:
+            seen.append(listed_at)
         return len(seen) > count
 
     await eventually(listed, timeout_s=30, what=f"{count} listings")
@@ -70,7 +72,9 @@ async def test_a_local_registry_logs_skipped_folders_once_per_change(
     assert "'bad id'" in lines[0] and "'linked (a symbolic link, never followed)'" in lines[0]
     assert "notes.txt" not in lines[0]
     _, catalog = await call(http, "GET", f"{process.url}/catalog")
-    assert catalog["adapter_ids"] == ["good"]
+    # Listed (not staged yet, so not in the catalog); the skipped folders are not.
+    assert catalog["registry"]["adapters"] == 1
+    assert catalog["registry"]["not_staged"] == ["good"]
 
     (registry / "also bad!").mkdir()
     await gauge_is(http, process.url, 3)

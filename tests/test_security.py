@@ -52,14 +52,14 @@ async def start_locked(start_sidecar: StartSidecar, tmp_path: Path, **overrides:
 
 
 async def catalog_ids(http: aiohttp.ClientSession, sidecar: Sidecar) -> list[str]:
-    """The registry's ids as the catalog listed them (waits for its first listing)."""
-    deadline = time.monotonic() + 10
-    while True:
-        _, body = await call(http, "GET", f"{sidecar.url}/catalog")
-        if body.get("listed_at"):
-            return list(body["adapter_ids"])
-        assert time.monotonic() < deadline, body
-        await asyncio.sleep(0.05)
+    """The names multi_lora.json lists, after a compaction: every adapter on disk, and the
+    spare names (none when the sidecar has no base model config)."""
+    sidecar.catalog.request_compaction()
+    await sidecar.catalog.sync()
+    _, body = await call(http, "GET", f"{sidecar.url}/catalog")
+    listed = json.loads((sidecar.settings.cache_root / "multi_lora.json").read_text())
+    assert sorted(listed) == body["adapter_ids"], body
+    return list(body["adapter_ids"])
 
 
 def files_outside(root: Path, *inside: Path) -> dict[str, int]:
@@ -395,6 +395,11 @@ async def test_registry_folders_with_invalid_ids_are_never_listed(
 
     from_s3 = await start_sidecar(s3_settings(tmp_path, s3))
     local = await start_sidecar(make_settings(tmp_path, cache_root=tmp_path / "cache2"))
+    for sidecar, good in ((from_s3, "good"), (local, "good-local")):
+        for adapter_id in ("bad id", "-dash", "..", "x" * 129, good):
+            status, body = await call(http, "POST", f"{sidecar.url}/stage",
+                                      {"adapter_id": adapter_id})
+            assert status == (200 if adapter_id == good else 400), body
 
     assert await catalog_ids(http, from_s3) == ["good"]
     assert await catalog_ids(http, local) == ["good-local"]

@@ -90,6 +90,8 @@ def test_eight_concurrent_calls_over_four_adapters_with_room_for_two(
 
 
 def test_a_load_with_unchanged_files_keeps_the_running_engine(node: EngineNode) -> None:
+    # Before any test touches the catalog file: Triton compares its ctime, which a swap and
+    # restore of the file moves for good (a restored mtime does not hide it).
     before = {pid: name for pid, name in node.engine_pids().items() if "EngineCore" in name}
 
     started = time.monotonic()
@@ -218,8 +220,7 @@ def test_a_refused_adapter_never_reaches_the_engine(
 
     with pytest.raises(InferenceServerException) as caught:
         node.ask_until_served("too-wide")  # a client retries UNAVAILABLE, not a refusal
-    # A restarted sidecar lists the registry at once: the catalog is rendered (and loaded)
-    # again from everything the registry holds.
+    # The catalog lists what is on disk and validated: a restarted sidecar carries on with it.
     node.restart_sidecar()
     node.wait_catalog_loaded()
 
@@ -277,9 +278,13 @@ def test_a_dead_engine_as_the_stock_backend_shows_it(
 
     if _health_check_enabled():
         # The backend checks the engine before each request, answers with an error and unloads
-        # the model by itself (a streamed answer carries the message, not a gRPC status).
+        # the model by itself. (A streamed error carries its message, not its code: the router,
+        # which gets the code through BLS, is what clients see.)
         assert "Model is unavailable due to unhealthy vLLM engine" in (
             direct.value.message() or "")
+        with pytest.raises(InferenceServerException) as routed:
+            node.ask("tenant-0")
+        assert status_of(routed.value) == "UNAVAILABLE", routed.value.message()
         return
     # Without the check the model stays READY while every request fails, and a load with
     # unchanged files does not bring the engine back.

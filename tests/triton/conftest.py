@@ -4,6 +4,7 @@ cost seconds), and per test a fresh sidecar on the port the router was loaded wi
 from __future__ import annotations
 
 import json
+import queue
 import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -12,12 +13,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcsync
 import tritonclient.grpc.aio as grpcclient
 
 from sidecar.app import Sidecar
+from sidecar.shapes import TINY_LLAMA
 from tests.conftest import S3Registry, StartSidecar, s3_settings
 from tests.recording_proxy import RecordingProxy
-from tests.triton.harness import ROUTER, TritonServer, free_port, router_config
+from tests.triton.harness import ROUTER, VLLM_MODEL, TritonServer, free_port, router_config
 
 
 @dataclass
@@ -32,28 +35,47 @@ class TritonNode:
     def sidecar_url(self) -> str:
         return f"http://127.0.0.1:{self.sidecar_port}"
 
+    def stop(self) -> None:
+        self.server.stop()
+        self.proxy.stop()
+
+
+def start_triton_node(workdir: Path, *, env: dict[str, str] | None = None,
+                      sidecar_port: int | None = None, http_port: int | None = None,
+                      cache_root: Path | None = None) -> TritonNode:
+    """A Triton with the router loaded, its vllm_model reading `cache_root`'s catalog. Proxy
+    variables and no no_proxy in its environment, as in many corporate containers: the
+    router's calls to the sidecar must still go straight to it."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cache_root = cache_root or workdir / "cache"
+    cache_root.mkdir(exist_ok=True)
+    fail_flag = workdir / "fail-vllm-load"
+    proxy = RecordingProxy(workdir / f"proxy-{free_port()}")
+    try:
+        server = TritonServer.start(workdir / f"server-{free_port()}",
+                                    cache_root / "multi_lora.json",
+                                    env={"STANDIN_VLLM_FAIL_FLAG": str(fail_flag),
+                                         **proxy.environment(), **(env or {})},
+                                    http_port=http_port)
+    except BaseException:
+        proxy.stop()
+        raise
+    node = TritonNode(server, cache_root, sidecar_port or free_port(), fail_flag, proxy)
+    try:
+        server.load(ROUTER, router_config(node.sidecar_url))
+    except BaseException:
+        node.stop()
+        raise
+    return node
+
 
 @pytest.fixture(scope="module")
 def triton_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonNode]:
-    workdir = tmp_path_factory.mktemp("triton")
-    cache_root = workdir / "cache"
-    cache_root.mkdir()
-    fail_flag = workdir / "fail-vllm-load"
-    # Proxy variables and no no_proxy, as in many corporate containers: the router's calls to
-    # the sidecar must still go straight to it.
-    proxy = RecordingProxy(workdir / "proxy")
+    node = start_triton_node(tmp_path_factory.mktemp("triton"))
     try:
-        server = TritonServer.start(workdir, cache_root / "multi_lora.json",
-                                    env={"STANDIN_VLLM_FAIL_FLAG": str(fail_flag),
-                                         **proxy.environment()})
-        try:
-            node = TritonNode(server, cache_root, free_port(), fail_flag, proxy)
-            server.load(ROUTER, router_config(node.sidecar_url))
-            yield node
-        finally:
-            server.stop()
+        yield node
     finally:
-        proxy.stop()
+        node.stop()
 
 
 StartNodeSidecar = Callable[..., Awaitable[Sidecar]]
@@ -72,7 +94,10 @@ async def node_sidecar(
             entry.unlink()
 
     async def start(**overrides: Any) -> Sidecar:
+        base_config = tmp_path / "base-model-config.json"
+        base_config.write_text(json.dumps(TINY_LLAMA.to_config()))
         values: dict[str, Any] = {
+            "base_model_config": base_config,
             "cache_root": triton_node.cache_root,
             "port": triton_node.sidecar_port,
             "triton_url": triton_node.server.http_url,
@@ -121,3 +146,37 @@ async def ask(client: grpcclient.InferenceServerClient, adapter_id: str | None, 
     result = await client.infer(ROUTER, inputs, client_timeout=120, headers=headers)
     answer = result.as_numpy("generated_text").reshape(-1)[0]
     return answer.decode("utf-8") if isinstance(answer, bytes) else str(answer)
+
+
+def direct_call(url: str, prompt: str, sampling: dict[str, Any], *, exclude: bool = True,
+                stream: bool = False) -> list[str]:
+    """vllm_model over a gRPC stream, as the router's BLS call reaches it: every text_output
+    piece until the final response; the backend's error raised as RuntimeError."""
+    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    client = grpcsync.InferenceServerClient(url)
+    inputs = []
+    for name, value in (("text_input", prompt), ("sampling_parameters", json.dumps(sampling))):
+        tensor = grpcsync.InferInput(name, [1], "BYTES")
+        tensor.set_data_from_numpy(np.array([value.encode()], dtype=object))
+        inputs.append(tensor)
+    for name, flag in (("exclude_input_in_output", exclude), ("stream", stream)):
+        tensor = grpcsync.InferInput(name, [1], "BOOL")
+        tensor.set_data_from_numpy(np.array([flag]))
+        inputs.append(tensor)
+    pieces: list[str] = []
+    try:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)))
+        client.async_stream_infer(VLLM_MODEL, inputs, enable_empty_final_response=True)
+        while True:
+            result, error = answers.get(timeout=30)
+            if error is not None:
+                raise RuntimeError(error.message())
+            output = result.as_numpy("text_output")
+            if output is not None:
+                pieces.extend(p.decode() for p in output.reshape(-1))
+            final = result.get_response().parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                return pieces
+    finally:
+        client.stop_stream()
+        client.close()

@@ -70,9 +70,10 @@ class StubSidecar:
         return web.json_response(reply, status=status)
 
 
-def lease_body(adapter_id: str) -> dict[str, Any]:
+def lease_body(adapter_id: str, lora_name: str | None = None) -> dict[str, Any]:
     return {"adapter_id": adapter_id, "path": f"/lora-cache/adapters/{adapter_id}",
-            "local_path": f"/cache/adapters/{adapter_id}", "size_bytes": 10, "cached": False,
+            "local_path": f"/cache/adapters/{adapter_id}", "size_bytes": 10,
+            "lora_name": lora_name or adapter_id, "cached": False,
             "lease_id": f"lease-{adapter_id}", "lease_expires_at": "2030-01-01T00:00:00.000Z"}
 
 
@@ -100,14 +101,18 @@ async def stub() -> AsyncIterator[StubSidecar]:
 
 @dataclass
 class FakeVllm:
-    """What the BLS call would do: record the request, yield pieces or fail."""
+    """What the BLS call would do: record the request, yield pieces or fail (`errors` fail the
+    first calls, one each, before `error` fails every later one)."""
 
     pieces: Iterable[str] = ("hello", " world")
     error: Exception | None = None
     calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    errors: list[Exception] = field(default_factory=list)
 
     def __call__(self, prompt: str, sampling_json: str) -> Iterator[str]:
         self.calls.append((prompt, json.loads(sampling_json)))
+        if self.errors:
+            raise self.errors.pop(0)
         if self.error is not None:
             raise self.error
         yield from self.pieces
@@ -356,7 +361,35 @@ async def test_lora_unknown_to_vllm_is_unavailable_and_the_lease_released(
     assert error.status is Status.UNAVAILABLE
     assert "has not loaded a catalog that lists adapter a1" in error.message
     assert len(error.message) < 600  # the backend's list of every LoRA is cut short
-    assert stub.released == ["lease-a1"]
+    assert len(stub.staged) == len(vllm.calls) == 2  # staged again once: it may have reloaded
+    assert stub.released == ["lease-a1", "lease-a1"]
+
+
+async def test_the_name_the_sidecar_answers_is_the_lora_name_vllm_gets(
+    stub: StubSidecar,
+) -> None:
+    stub.stage_replies = [(200, lease_body("a1", "_spare-g3-007"))]
+    vllm = FakeVllm()
+
+    assert await route(stub, vllm) == "hello world"
+
+    assert vllm.calls[0][1]["lora_name"] == "_spare-g3-007"
+    assert stub.staged[0]["adapter_id"] == "a1"
+
+
+async def test_a_spare_name_the_reloaded_engine_does_not_know_is_staged_again_once(
+    stub: StubSidecar,
+) -> None:
+    # The sidecar answered a spare name of generation 3, then Triton finished loading
+    # generation 4 (which lists a1 by its own name) before the call reached vLLM.
+    stub.stage_replies = [(200, lease_body("a1", "_spare-g3-007")), (200, lease_body("a1"))]
+    vllm = FakeVllm(errors=[routing.VllmError(
+        "LoRA _spare-g3-007 is not supported, we currently support ['a1']", "INTERNAL")])
+
+    assert await route(stub, vllm) == "hello world"
+
+    assert [call[1]["lora_name"] for call in vllm.calls] == ["_spare-g3-007", "a1"]
+    assert stub.released == ["lease-a1", "lease-a1"]
 
 
 @pytest.mark.parametrize(("message", "code", "status"), [
@@ -364,6 +397,9 @@ async def test_lora_unknown_to_vllm_is_unavailable_and_the_lease_released(
      Status.INTERNAL),
     ("Request for unknown model: 'vllm_model' is not found", "NOT_FOUND", Status.UNAVAILABLE),
     ("Model is unavailable due to unhealthy vLLM engine", "UNAVAILABLE", Status.UNAVAILABLE),
+    ("Error generating stream: EngineCore encountered an issue. See stack trace (above) for the "
+     "root cause.", "INTERNAL", Status.UNAVAILABLE),
+    ("Error generating stream: EngineDeadError", None, Status.UNAVAILABLE),
 ])
 async def test_vllm_failures_keep_their_message_and_release_the_lease(
     stub: StubSidecar, message: str, code: str, status: Any

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
 from typing import Any
 
 import aiohttp
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 import tritonclient.http as tritonhttp
 from tritonclient.utils import InferenceServerException
 
@@ -19,7 +17,7 @@ from compose import client as compose_client
 from sidecar.app import Sidecar
 from sidecar.config import TritonReload
 from tests.conftest import S3Registry, call
-from tests.triton.conftest import StartNodeSidecar, TritonNode, ask
+from tests.triton.conftest import StartNodeSidecar, TritonNode, ask, direct_call
 from tests.triton.harness import VLLM_MODEL
 from tests.triton.standin_vllm.answer import expected_text
 
@@ -54,8 +52,8 @@ async def test_client_gets_a_cold_adapters_text_and_the_second_call_is_a_hit(
     second = await asyncio.to_thread(compose_client.generate, url, "cold-sql-v1", "Count rows",
                                      {"max_tokens": 2})
 
-    assert first == expected_text("cold-sql-v1", files[WEIGHTS], "List tables")
-    assert second == expected_text("cold-sql-v1", files[WEIGHTS], "Count rows", max_tokens=2)
+    assert first == expected_text(files[WEIGHTS], "List tables")
+    assert second == expected_text(files[WEIGHTS], "Count rows", max_tokens=2)
     assert (stage_count(sidecar, "miss"), stage_count(sidecar, "hit")) == (1, 1)
     assert len(s3.proxy.gets(s3.key("cold-sql-v1", WEIGHTS))) == 1
     assert sidecar.store.snapshot().active_leases == 0
@@ -72,7 +70,7 @@ async def test_sixteen_concurrent_calls_over_eight_adapters_with_room_for_three(
     answers = await asyncio.gather(*(ask(grpc, a, prompt) for a, prompt in calls))
 
     for (adapter_id, prompt), answer in zip(calls, answers, strict=True):
-        assert answer == expected_text(adapter_id, weights[adapter_id], prompt)
+        assert answer == expected_text(weights[adapter_id], prompt)
     assert sidecar.store.snapshot().active_leases == 0
     assert len(sidecar.store.adapters()) <= 3
     evicted = sidecar.metrics.registry.get_sample_value(
@@ -134,10 +132,9 @@ async def test_sidecar_down_is_unavailable(triton_node: TritonNode, grpc: Any) -
 async def test_vllm_refusing_a_lora_it_does_not_list_is_unavailable(
     triton_node: TritonNode, s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any
 ) -> None:
-    # Without a Triton URL the sidecar cannot know what vllm_model loaded, so the refusal
-    # comes from vLLM itself ("LoRA ... is not supported").
-    s3.put_adapter("listed-v1", seed=5)
-    sidecar = await node_sidecar(triton_url=None)
+    # Without a Triton URL (and without spare names) the sidecar cannot know what vllm_model
+    # loaded, so the refusal comes from vLLM itself ("LoRA ... is not supported").
+    sidecar = await node_sidecar(triton_url=None, spare_names=0)
     await asyncio.to_thread(triton_node.server.load, VLLM_MODEL)
     s3.put_adapter("late-v1", seed=6)
 
@@ -149,50 +146,59 @@ async def test_vllm_refusing_a_lora_it_does_not_list_is_unavailable(
     assert sidecar.store.snapshot().active_leases == 0
 
 
-async def test_new_adapter_in_s3_reaches_the_catalog_triton_reloads_and_serves_it(
+async def test_without_spare_names_a_new_adapter_is_served_after_one_reload(
     triton_node: TritonNode, s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any,
     http: aiohttp.ClientSession,
 ) -> None:
-    s3.put_adapter("first-v1", seed=7)
-    sidecar = await node_sidecar()
+    first = s3.put_adapter("first-v1", seed=7)
+    sidecar = await node_sidecar(spare_names=0)
     files = s3.put_adapter("fresh-v1", seed=8)
 
     error = await router_error(grpc, "fresh-v1")
     assert status_of(error) == "UNAVAILABLE"
     assert "(catalog_pending)" in error.message()
-    await sidecar.catalog.sync()  # the refusal asked for an early listing; this awaits it
+    assert "spare names are off" in error.message()
+    await sidecar.catalog.sync()  # the refusal planned a compaction; this carries it out
 
     status, catalog = await call(http, "GET", f"{sidecar.url}/catalog")
     assert status == 200
-    assert catalog["adapter_ids"] == ["first-v1", "fresh-v1"]
+    assert catalog["adapter_ids"] == ["fresh-v1"]  # on disk; first-v1 was never staged
     assert catalog["triton"]["loaded_generation"] == catalog["generation"] == 2
     assert catalog["triton"]["pending"] is None
     rendered = json.loads((triton_node.cache_root / "multi_lora.json").read_text())
-    assert rendered["fresh-v1"] == str(triton_node.cache_root.resolve() / "adapters" / "fresh-v1")
+    assert rendered == {"fresh-v1": str(triton_node.cache_root.resolve() / "catalog" / "g2"
+                                        / "names" / "fresh-v1")}
     # Served at all proves Triton reloaded: the old engine's catalog did not list it.
-    assert await ask(grpc, "fresh-v1", "hi") == expected_text("fresh-v1", files[WEIGHTS], "hi")
-    assert await ask(grpc, "first-v1", "hi") != await ask(grpc, "fresh-v1", "hi")
+    assert await ask(grpc, "fresh-v1", "hi") == expected_text(files[WEIGHTS], "hi")
+    error = await router_error(grpc, "first-v1")  # staged now: it waits for the next one
+    assert "(catalog_pending)" in error.message()
+    await sidecar.catalog.sync()
+    assert await ask(grpc, "first-v1", "hi") == expected_text(first[WEIGHTS], "hi")
 
 
 async def test_unload_first_reload_serves_the_new_adapter_after_the_downtime(
     s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any
 ) -> None:
-    s3.put_adapter("before-v1", seed=9)
-    sidecar = await node_sidecar(triton_reload=TritonReload.UNLOAD_FIRST)
+    sidecar = await node_sidecar(triton_reload=TritonReload.UNLOAD_FIRST, spare_names=0)
     files = s3.put_adapter("after-v1", seed=10)
+    await router_error(grpc, "after-v1")
 
     await sidecar.catalog.sync()
 
     assert sidecar.catalog.status()["triton"]["loaded_generation"] == 2
-    assert await ask(grpc, "after-v1", "x") == expected_text("after-v1", files[WEIGHTS], "x")
+    assert await ask(grpc, "after-v1", "x") == expected_text(files[WEIGHTS], "x")
 
 
 async def test_a_failed_reload_leaves_the_old_catalog_serving(
     triton_node: TritonNode, s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any
 ) -> None:
     old = s3.put_adapter("old-v1", seed=12)
-    sidecar = await node_sidecar()
+    sidecar = await node_sidecar(spare_names=0)
+    await router_error(grpc, "old-v1")
+    await sidecar.catalog.sync()
+    assert await ask(grpc, "old-v1", "x") == expected_text(old[WEIGHTS], "x")
     s3.put_adapter("new-v1", seed=13)
+    await router_error(grpc, "new-v1")
     triton_node.fail_flag.touch()
     try:
         await sidecar.catalog.sync()
@@ -200,46 +206,15 @@ async def test_a_failed_reload_leaves_the_old_catalog_serving(
         triton_node.fail_flag.unlink()
 
     triton = sidecar.catalog.status()["triton"]
-    assert triton["loaded_generation"] == 1
+    assert triton["loaded_generation"] == 2
+    assert triton["pending"] == 3
     assert "CUDA out of memory (simulated" in triton["last_reload_error"]
-    assert await ask(grpc, "old-v1", "x") == expected_text("old-v1", old[WEIGHTS], "x")
+    assert await ask(grpc, "old-v1", "x") == expected_text(old[WEIGHTS], "x")
     error = await router_error(grpc, "new-v1")
     assert status_of(error) == "UNAVAILABLE"
+    assert "adapter new-v1 is in catalog generation 3, but Triton serves generation 2" in (
+        error.message())
     assert "the last reload failed" in error.message()
-
-
-def direct_call(url: str, prompt: str, sampling: dict[str, Any], *, exclude: bool = True,
-                stream: bool = False) -> list[str]:
-    """vllm_model over a gRPC stream, as the router's BLS call reaches it: every text_output
-    piece until the final response; the backend's error raised as RuntimeError."""
-    answers: queue.Queue[tuple[Any, Any]] = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    inputs = []
-    for name, value in (("text_input", prompt), ("sampling_parameters", json.dumps(sampling))):
-        tensor = grpcclient.InferInput(name, [1], "BYTES")
-        tensor.set_data_from_numpy(np.array([value.encode()], dtype=object))
-        inputs.append(tensor)
-    for name, flag in (("exclude_input_in_output", exclude), ("stream", stream)):
-        tensor = grpcclient.InferInput(name, [1], "BOOL")
-        tensor.set_data_from_numpy(np.array([flag]))
-        inputs.append(tensor)
-    pieces: list[str] = []
-    try:
-        client.start_stream(callback=lambda result, error: answers.put((result, error)))
-        client.async_stream_infer(VLLM_MODEL, inputs, enable_empty_final_response=True)
-        while True:
-            result, error = answers.get(timeout=30)
-            if error is not None:
-                raise RuntimeError(error.message())
-            output = result.as_numpy("text_output")
-            if output is not None:
-                pieces.extend(p.decode() for p in output.reshape(-1))
-            final = result.get_response().parameters.get("triton_final_response")
-            if final is not None and final.bool_param:
-                return pieces
-    finally:
-        client.stop_stream()
-        client.close()
 
 
 async def test_the_standin_keeps_the_stock_vllm_backends_contract(
@@ -247,12 +222,13 @@ async def test_the_standin_keeps_the_stock_vllm_backends_contract(
     http: aiohttp.ClientSession,
 ) -> None:
     weights = s3.put_adapter("contract-v1", seed=14)[WEIGHTS]
-    sidecar = await node_sidecar()
+    sidecar = await node_sidecar(spare_names=0)
     status, _ = await call(http, "POST", f"{sidecar.url}/stage",
                            {"adapter_id": "contract-v1", "lease": False})
-    assert status == 200
+    assert status == 503  # staged; listed by the compaction this planned
+    await sidecar.catalog.sync()
     url, lora = triton_node.server.grpc_url, {"lora_name": "contract-v1", "temperature": 0}
-    expected = expected_text("contract-v1", weights, "Hi", max_tokens=16)
+    expected = expected_text(weights, "Hi", max_tokens=16)
 
     def refusal(sampling: dict[str, Any], **kwargs: bool) -> str:
         with pytest.raises(RuntimeError) as caught:
@@ -283,7 +259,7 @@ async def test_a_restarted_sidecar_takes_over_the_loaded_engine_without_unloadin
 
     assert second.catalog.status()["triton"]["loaded_generation"] == 1
     assert triton_node.server.log_text().count("successfully unloaded 'vllm_model'") == unloads
-    assert await ask(grpc, "steady-v1", "x") == expected_text("steady-v1", files[WEIGHTS], "x")
+    assert await ask(grpc, "steady-v1", "x") == expected_text(files[WEIGHTS], "x")
 
 
 # ---- the adapter id as a header, and many requests at once -----------------------------------
@@ -304,7 +280,7 @@ async def test_the_x_adapter_id_header_alone_names_the_adapter(
                                      headers={"X-Adapter-Id": "header-v1"})
     http_client.close()
 
-    expected = expected_text("header-v1", files[WEIGHTS], "hi")
+    expected = expected_text(files[WEIGHTS], "hi")
     assert over_grpc == expected
     assert result.as_numpy("generated_text")[0].decode() == expected
     assert triton_node.proxy.requests() == []  # the sidecar calls ignored the proxy variables
@@ -339,10 +315,10 @@ async def test_warm_requests_are_answered_while_sixteen_cold_downloads_hang(
 ) -> None:
     warm = s3.put_adapter("warm-v1", seed=30)
     cold_ids = [f"cold-{n}-v1" for n in range(16)]
-    for n, adapter_id in enumerate(cold_ids):
-        s3.put_adapter(adapter_id, seed=40 + n)
+    cold_weights = [s3.put_adapter(adapter_id, seed=40 + n)[WEIGHTS]
+                    for n, adapter_id in enumerate(cold_ids)]
     await node_sidecar()
-    assert await ask(grpc, "warm-v1", "x") == expected_text("warm-v1", warm[WEIGHTS], "x")
+    assert await ask(grpc, "warm-v1", "x") == expected_text(warm[WEIGHTS], "x")
     hung: list[str] = []
 
     async def hang_cold_weights(request: Any, seen: Any) -> None:
@@ -363,11 +339,10 @@ async def test_warm_requests_are_answered_while_sixteen_cold_downloads_hang(
         answers = await asyncio.wait_for(
             asyncio.gather(*(ask(grpc, "warm-v1", f"w{n}") for n in range(8))), timeout=60)
 
-        assert answers == [expected_text("warm-v1", warm[WEIGHTS], f"w{n}") for n in range(8)]
+        assert answers == [expected_text(warm[WEIGHTS], f"w{n}") for n in range(8)]
         assert not any(task.done() for task in cold)  # the cold ones are still downloading
     finally:
         s3.proxy.fault = None
         s3.proxy.release_stalls()
     cold_answers = await asyncio.gather(*cold)
-    assert all(answer.startswith(f"adapter={a} ") for a, answer in zip(cold_ids, cold_answers,
-                                                                        strict=True))
+    assert cold_answers == [expected_text(weights, "c") for weights in cold_weights]

@@ -1,6 +1,7 @@
 """What the CPU stand-in for vLLM answers: text derived from the prompt, the sampling
-parameters and the bytes of the adapter it loaded, so a test can tell which adapter, complete
-and unchanged, produced an answer. Shared by the stand-in and the tests.
+parameters and the bytes of the adapter it loaded (never the name it was asked by, as a real
+engine), so a test can tell which adapter, complete and unchanged, produced an answer. Shared
+by the stand-in and the tests.
 """
 
 from __future__ import annotations
@@ -44,20 +45,20 @@ def _check_safetensors(data: bytes, path: Path) -> None:
         raise ValueError(f"{path}: length does not match its header (truncated?)")
 
 
-def answer_words(lora_name: str | None, digest: str | None, prompt: str,
-                 temperature: float) -> list[str]:
+def answer_words(digest: str | None, prompt: str, temperature: float) -> list[str]:
     """The 'tokens' of the stand-in's answer; max_tokens keeps the first ones."""
     prompt_digest = hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:16]
     return [
-        f"adapter={lora_name or '-'}",
+        f"lora={'yes' if digest else 'none'}",
         f"sha256={digest or '-'}",
         f"prompt={prompt_digest}",
         f"temperature={temperature:g}",
     ]
 
 
-def expected_text(lora_name: str | None, weights: bytes | None, prompt: str,
-                  temperature: float = 0.0, max_tokens: int = 256) -> str:
-    """What a test expects for a request with exclude_input_in_output true."""
+def expected_text(weights: bytes | None, prompt: str, temperature: float = 0.0,
+                  max_tokens: int = 256) -> str:
+    """What a test expects for a request with exclude_input_in_output true: `weights` are the
+    adapter's safetensors bytes (None: the base model alone)."""
     digest = weights_digest(weights) if weights is not None else None
-    return " ".join(answer_words(lora_name, digest, prompt, temperature)[:max_tokens])
+    return " ".join(answer_words(digest, prompt, temperature)[:max_tokens])

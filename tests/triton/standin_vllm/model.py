@@ -1,6 +1,11 @@
 """A CPU stand-in for Triton's stock vLLM backend, installed by the tests as the Python-based
 backend `vllm`, so `vllm_model`'s checked-in config runs unchanged. It keeps the stock
-backend's contract (triton-inference-server/vllm_backend src/model.py, src/utils/request.py).
+backend's contract (triton-inference-server/vllm_backend src/model.py, src/utils/request.py)
+and the real engine's behaviours the sidecar relies on (../../../../shared/ENGINE.md): the
+catalog read once per load; an adapter folder read on the first use of its int id (its
+position in the catalog) and cached; a folder vLLM cannot load kills the whole engine, which
+then fails every request; with ENABLE_VLLM_HEALTH_CHECK the next request finds the engine
+dead, asks Triton to unload the model and is answered UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ _MULTI_LORA_FILENAME = "multi_lora.json"
 _DELAY_ENV = "STANDIN_VLLM_DELAY_S"
 # While the file this names exists, loading fails the way an engine out of GPU memory does.
 _FAIL_FLAG_ENV = "STANDIN_VLLM_FAIL_FLAG"
+# Seconds a model load takes (a real engine takes 30-40 s on CPU), to observe a reload.
+_LOAD_DELAY_ENV = "STANDIN_VLLM_LOAD_DELAY_S"
+# A file where each adapter folder read is logged ("<int id> <name> <path>" per line).
+_READS_ENV = "STANDIN_VLLM_READS"
 
 _INPUTS = [
     ("text_input", "TYPE_STRING", [1], False),
@@ -111,6 +120,13 @@ class TritonPythonModel:
         fail_flag = os.environ.get(_FAIL_FLAG_ENV)
         if fail_flag and Path(fail_flag).exists():
             raise RuntimeError("CUDA out of memory (simulated by the stand-in)")
+        parameters = self._model_config.get("parameters", {})
+        health = parameters.get("ENABLE_VLLM_HEALTH_CHECK", {}).get("string_value", "false")
+        self._enable_health_check = health.strip().lower() in ("true", "yes", "1")
+        self._dead: str | None = None  # why the engine died, once it has
+        load_delay_s = float(os.environ.get(_LOAD_DELAY_ENV, "0") or 0)
+        if load_delay_s:
+            time.sleep(load_delay_s)
         model_dir = Path(pb_utils.get_model_dir())
         engine_args_path = model_dir / _ENGINE_ARGS_FILENAME
         assert engine_args_path.is_file(), (
@@ -133,7 +149,7 @@ class TritonPythonModel:
         # vLLM keeps up to max_cpu_loras loaded adapters by name and never re-reads one it holds.
         self._max_cpu_loras = int(self._engine_args.get("max_cpu_loras",
                                                         self._engine_args.get("max_loras", 1)))
-        self._loaded: OrderedDict[str, str] = OrderedDict()
+        self._loaded: OrderedDict[int, str] = OrderedDict()  # int id -> weights digest
         self._loaded_lock = threading.Lock()
         self._delay_s = float(os.environ.get(_DELAY_ENV, "0") or 0)
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="standin-vllm")
@@ -143,6 +159,19 @@ class TritonPythonModel:
         )
 
     def execute(self, requests: list[Any]) -> None:
+        if self._enable_health_check and self._dead is not None:
+            # As the stock backend's _check_health: unload (non-blocking), answer UNAVAILABLE.
+            pb_utils.Logger.log_error(f"[vllm] Engine is not healthy and model will be "
+                                      f"unloaded: {self._dead}")
+            pb_utils.unload_model(self._model_config["name"])
+            for request in requests:
+                request.get_response_sender().send(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                        message="Model is unavailable due to unhealthy vLLM engine",
+                        code=pb_utils.TritonError.UNAVAILABLE)),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL,
+                )
+            return None
         for request in requests:
             if self._verify_lora(request):
                 self._pool.submit(self._infer, request)
@@ -186,6 +215,8 @@ class TritonPythonModel:
             )
 
     def _generate(self, request: Any, sender: Any) -> None:
+        if self._dead is not None:  # a dead engine fails every request, with or without LoRA
+            raise RuntimeError(f"EngineCore encountered an issue. ({self._dead})")
         prompt = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()[0]
         prompt = prompt.decode("utf-8") if isinstance(prompt, bytes) else str(prompt)
         stream_tensor = pb_utils.get_input_tensor_by_name(request, "stream")
@@ -204,7 +235,7 @@ class TritonPythonModel:
         digest = self._adapter_digest(lora_name) if lora_name is not None else None
         if self._delay_s:
             time.sleep(self._delay_s)
-        words = answer_words(lora_name, digest, prompt, sampling.temperature)
+        words = answer_words(digest, prompt, sampling.temperature)
         words = words[: max(sampling.max_tokens, 0)]
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         if stream:
@@ -218,19 +249,31 @@ class TritonPythonModel:
         sender.send(self._response(text), flags=final)
 
     def _adapter_digest(self, lora_name: str) -> str:
+        # The stock backend's LoRARequest(str(i), i, path): i is the name's position + 1, and
+        # vLLM caches what it read under i.
+        int_id = self._supported_loras.index(lora_name) + 1
         with self._loaded_lock:
-            digest = self._loaded.get(lora_name)
+            if self._dead is not None:
+                raise RuntimeError(f"EngineCore encountered an issue. ({self._dead})")
+            digest = self._loaded.get(int_id)
             if digest is not None:
-                self._loaded.move_to_end(lora_name)
+                self._loaded.move_to_end(int_id)
                 return digest
         path = Path(self._lora_repository[lora_name])
+        reads = os.environ.get(_READS_ENV)
+        if reads:
+            with open(reads, "a", encoding="utf-8") as log:
+                log.write(f"{int_id} {lora_name} {path}\n")
         try:
             digest = load_adapter(path)
         except (OSError, ValueError) as exc:
-            raise ValueError(f"Loading lora {lora_name} failed: {exc}") from exc
+            # In vLLM the engine core process fails the whole batch and exits.
+            with self._loaded_lock:
+                self._dead = f"Loading lora {int_id} failed: {exc}"
+            raise RuntimeError(f"EngineCore encountered an issue. ({self._dead})") from exc
         pb_utils.Logger.log_info(f"[standin-vllm] loaded LoRA {lora_name} from {path}: {digest}")
         with self._loaded_lock:
-            self._loaded[lora_name] = digest
+            self._loaded[int_id] = digest
             while len(self._loaded) > self._max_cpu_loras:
                 self._loaded.popitem(last=False)
         return digest

@@ -193,6 +193,7 @@ class Lease:
     lease_id: str
     path: str
     cached: bool
+    lora_name: str  # the name vllm_model knows the adapter by: its id, or a spare catalog name
 
 
 def requested_adapter_id(input_value: str | None, parameters_json: str | None,
@@ -355,7 +356,8 @@ class SidecarClient:
                 continue
             try:
                 return Lease(str(body["adapter_id"]), str(body["lease_id"]), str(body["path"]),
-                             bool(body.get("cached", False)))
+                             bool(body.get("cached", False)),
+                             str(body.get("lora_name") or body["adapter_id"]))
             except KeyError as exc:
                 raise RouteError(Status.INTERNAL,
                                  f"sidecar's /stage answer has no {exc.args[0]!r}") from exc
@@ -438,9 +440,23 @@ def _sidecar_error(http_status: int, body: Mapping[str, Any], adapter_id: Any) -
     return RouteError(status, f"{message} ({code})", code, retryable)
 
 
+# What the stock backend and vLLM say when the engine died (the request that killed it, the
+# next ones until the backend's health check unloads the model, and that check's own answer):
+# the sidecar loads the model again, so a client retries.
+_DEAD_ENGINE = ("EngineDeadError", "EngineCore encountered an issue", "Engine loop is not running",
+                "unhealthy vLLM engine", "engine is dead")
+
+
+def _not_listed(exc: VllmError) -> bool:
+    return exc.message.startswith("LoRA ") and "is not supported" in exc.message
+
+
 def _vllm_error(exc: VllmError, adapter_id: str, vllm_model: str) -> RouteError:
     message = exc.message if len(exc.message) <= 300 else exc.message[:300] + "..."
-    if "is not supported" in exc.message and exc.message.startswith("LoRA "):
+    if any(sign in exc.message for sign in _DEAD_ENGINE):
+        return RouteError(Status.UNAVAILABLE, f"{vllm_model}'s engine is down and is being "
+                          f"restarted; retry with backoff (vLLM: {message})")
+    if _not_listed(exc):
         # The adapter is on disk, but the catalog vllm_model loaded predates it.
         return RouteError(
             Status.UNAVAILABLE,
@@ -472,15 +488,22 @@ def route(
     """
     if not adapter_id.strip():
         raise RouteError(Status.INVALID_ARG, "adapter_id is empty")
-    parameters = sampling_parameters(sampling_json, adapter_id)
-    lease = sidecar.stage(adapter_id)
-    try:
-        return "".join(generate(prompt, parameters))
-    except VllmError as exc:
-        raise _vllm_error(exc, adapter_id, vllm_model) from exc
-    finally:
+    sampling_parameters(sampling_json, adapter_id)  # refused before anything is staged
+    retried = False
+    while True:
+        lease = sidecar.stage(adapter_id)
         try:
-            sidecar.release(lease.lease_id)
-        except RouteError as exc:
-            # The lease expires on its own (the sidecar's --lease-ttl); the answer stands.
-            warn(f"could not release lease {lease.lease_id} of {adapter_id}: {exc.message}")
+            return "".join(generate(prompt, sampling_parameters(sampling_json, lease.lora_name)))
+        except VllmError as exc:
+            # vllm_model loaded another catalog generation between the stage and the call
+            # (a spare name of the old one is unknown to the new engine): ask again, once.
+            if not retried and _not_listed(exc):
+                retried = True
+                continue
+            raise _vllm_error(exc, adapter_id, vllm_model) from exc
+        finally:
+            try:
+                sidecar.release(lease.lease_id)
+            except RouteError as exc:
+                # The lease expires on its own (the sidecar's --lease-ttl); the answer stands.
+                warn(f"could not release lease {lease.lease_id} of {adapter_id}: {exc.message}")
