@@ -85,6 +85,24 @@ class Docker:
                 "volume": ("volume", "ls", "--quiet")}[kind]
         return self.run(*args, "--filter", f"label={label}").stdout.split()
 
+    def remove_projects(self, prefix: str) -> list[str]:
+        """Compose projects whose names start with `prefix` (a killed run's, which dockerd
+        restarts with their restart policy): their containers, networks and volumes removed."""
+        label = '{{.Label "com.docker.compose.project"}}'
+        listed = (self.run("ps", "--all", "--format", label).stdout
+                  + self.run("network", "ls", "--format", label).stdout
+                  + self.run("volume", "ls", "--format", label).stdout)
+        names = sorted({name for name in listed.split() if name.startswith(prefix)})
+        for name in names:
+            project = f"com.docker.compose.project={name}"
+            if containers := self.labelled("container", project):
+                self.run("rm", "--force", "--volumes", *containers)
+            if networks := self.labelled("network", project):
+                self.run("network", "rm", *networks)
+            if volumes := self.labelled("volume", project):
+                self.run("volume", "rm", "--force", *volumes)
+        return names
+
     def inspect(self, container: str) -> dict[str, Any]:
         data: list[dict[str, Any]] = json.loads(self.run("inspect", container).stdout)
         return data[0]

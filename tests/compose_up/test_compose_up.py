@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -67,6 +68,7 @@ WHEELS = Path(os.environ.get("LORA_ENGINE_WHEELS") or REPO_ROOT / ".engine-wheel
 WHEELS_PORT = 47813
 TEST_TORCH = {"TORCH_SPEC": "torch==2.9.1", "TORCH_INDEX_URL": "https://pypi.org/simple"}
 NODE_TIMEOUT_S = 900.0
+PROJECT_PREFIX = "lorasidecartest"  # compose projects of this test, and only of it
 SIDECAR_UID = 10001
 # Loopback and the compose network are never reached through a proxy the environment names.
 OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -148,6 +150,8 @@ def images(docker: Docker, tmp_path_factory: pytest.TempPathFactory,
            request: pytest.FixtureRequest, compose_figures: dict[str, str]) -> Images:
     """The project's images, built from its Dockerfiles with the test's base image (tags of
     their own). An image a rebuild replaced is removed, so no build leaves a dangling image."""
+    for left in docker.remove_projects(PROJECT_PREFIX):
+        logging.getLogger(__name__).warning("removed %s, left by a run that was killed", left)
     dangling_before = docker.dangling_images()
     start = time.monotonic()
     base = debian_base(docker, tmp_path_factory.mktemp("debian"))
@@ -248,7 +252,7 @@ def node(docker: Docker, images: Images, compose_assets: EngineAssets,
         weights.chmod(0o600)  # as safetensors writes them, owned by this (root) user
     token = uuid.uuid4().hex
     http_port, grpc_port = free_port(), free_port()
-    name = f"lorasidecartest{uuid.uuid4().hex[:8]}"
+    name = f"{PROJECT_PREFIX}{uuid.uuid4().hex[:8]}"
     env_file = _env_file(workdir / "test.env", {
         "COMPOSE_PROJECT_NAME": name,
         "MODEL_DIR": str(model_dir),
@@ -339,10 +343,11 @@ def test_wiring_a_first_start_found_stays_fixed(node: Node) -> None:
     assert first("sidecar", healthy) < first("triton", "start"), events
     assert project.state("minio-init")["ExitCode"] == 0
     # The catalog link across containers: what the sidecar rendered on its volume is what Triton
-    # loaded through triton_repo's link, and it names the uploaded adapters.
+    # loaded through triton_repo's link. It carries spare names, which the base model's
+    # config.json mounted in the sidecar makes possible: a new adapter needs no reload.
     catalog = json.loads(node.get("sidecar", 8500, "/catalog"))
-    assert set(ADAPTERS) <= set(catalog["adapter_ids"]), catalog
     assert catalog["triton"]["loaded_generation"] == catalog["generation"], catalog
+    assert catalog["spares"]["enabled"] and catalog["spares"]["total"] > 0, catalog
     # The sidecar: non-root, read-only root filesystem, /tmp a tmpfs, the cache volume its own.
     host = project.docker.inspect(project.container("sidecar"))
     assert host["Config"]["User"] == f"{SIDECAR_UID}:{SIDECAR_UID}"
@@ -381,6 +386,12 @@ def test_router_answers_each_adapter_with_its_reference_text(
             "waiting: UNAVAILABLE" in answer.stderr) else ""
         compose_figures.setdefault("first answer after healthy (client.py, cold adapter)",
                                    f"{elapsed:.1f} s{waited}")
+    # Each adapter is served by its own name or by a spare name bound to it, and the engine
+    # serves the generation the sidecar rendered last.
+    catalog = json.loads(node.get("sidecar", 8500, "/catalog"))
+    served = set(catalog["adapter_ids"]) | set(catalog["spares"]["bound"].values())
+    assert set(ADAPTERS) <= served, catalog
+    assert catalog["triton"]["loaded_generation"] == catalog["generation"], catalog
     unknown = node.ask("no-such-adapter-v1")
     assert unknown.returncode == 1 and "no-such-adapter-v1" in unknown.stderr, unknown
     assert "waiting:" not in unknown.stderr  # an answer that will not change is not retried
