@@ -1,20 +1,32 @@
 # The sidecar's image: the package from this repository on a slim Python, run as a non-root user.
-# Build from the repository root: docker build -t lora-sidecar . (compose/ does it for you).
+# Build from the repository root (BuildKit, the default builder since Docker 23):
+#     docker build -t lora-sidecar:local .
+# compose/ builds it for you. Behind a TLS-inspecting proxy, hand pip the proxy's CA as a build
+# secret; it is used by the build and never stored in the image:
+#     DOCKER_BUILDKIT=1 docker build --secret id=ca,src=/path/to/ca-bundle.pem -t lora-sidecar:local .
 
 # Pinned by tag and by the digest of its multi-architecture index, so a rebuild starts from the
-# same bytes; bump both together.
-FROM python:3.11.14-slim-bookworm@sha256:65a93d69fa75478d554f4ad27c85c1e69fa184956261b4301ebaf6dbb0a3543d AS base
+# same bytes; bump both together. Any Debian bookworm with Python 3.11 (python3, python3-venv,
+# groupadd/useradd) can stand in: --build-arg BASE_IMAGE=... (the tests build one with debootstrap).
+ARG BASE_IMAGE=python:3.11.14-slim-bookworm@sha256:65a93d69fa75478d554f4ad27c85c1e69fa184956261b4301ebaf6dbb0a3543d
+
+FROM ${BASE_IMAGE} AS base
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # Build in a throw-away stage: the source tree and pip's build environment stay out of the image.
 FROM base AS build
-RUN python -m venv /opt/venv
+# python3, not python: Debian's own interpreter has no `python` command.
+RUN python3 -m venv /opt/venv
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY sidecar ./sidecar
-RUN /opt/venv/bin/pip install --no-cache-dir .
+# The optional `ca` secret: a CA bundle for pip when registries are reached through a gateway
+# that re-signs TLS. Without it pip uses its own certificates.
+RUN --mount=type=secret,id=ca \
+    if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi \
+    && /opt/venv/bin/pip install --no-cache-dir .
 
 FROM base
 # A fixed uid/gid: a host folder used as the cache must be writable by it (see compose/README.md).

