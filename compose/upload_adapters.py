@@ -22,7 +22,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from sidecar.config import Settings, is_valid_adapter_id
 from sidecar.errors import ConfigError
-from sidecar.validate import Rules, summarize, validate_adapter
+from sidecar.validation.validate import Rules, summarize, validate_adapter
 
 # put_object is one request; larger files would need a multipart upload, which no adapter needs.
 MAX_FILE_BYTES = 5 * 1024**3

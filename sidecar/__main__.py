@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
         # The cache's lock first, before the daemon's imports: a second `serve` on an owned
         # cache exits at once, and nothing of the cache is touched before the lock is held.
-        from .ownership import EXIT_CACHE_OWNED, CacheLock
+        from .cache.ownership import EXIT_CACHE_OWNED, CacheLock
 
         lock = CacheLock(settings.cache_root)
         try:

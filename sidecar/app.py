@@ -16,25 +16,25 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from .api import READ_ONLY_ROUTES, Services, build_web_app
-from .catalog import Catalog
+from .cache.leases import JournalLease, LeaseJournal
+from .cache.ownership import EXIT_CACHE_OWNED, CacheLock
+from .cache.stager import Stager
+from .cache.store import CHECK_VALUES, AdapterRecord, AdapterStore, add_verified, remove_tree
+from .cache.watcher import Watcher
+from .catalog.catalog import Catalog
+from .catalog.registry_view import RegistryView
+from .catalog.seed import REPOSITORY_DIR, seed_model_repository
 from .config import Settings, is_loopback
-from .epp import AdapterSet, EppExporter
 from .errors import CacheOwned, ConfigError, SidecarError, SourceUnavailable
-from .leases import JournalLease, LeaseJournal
-from .localsource import LocalSource
 from .logs import configure_logging, fields
 from .metrics import Metrics
-from .ownership import EXIT_CACHE_OWNED, CacheLock
 from .preflight import configuration_problems
-from .registry_view import RegistryView
-from .seed import REPOSITORY_DIR, seed_model_repository
-from .source import AdapterSource, S3Source
-from .stager import Stager
-from .store import CHECK_VALUES, AdapterRecord, AdapterStore, add_verified, remove_tree
-from .transfer import TransferPolicy, transfer_executor
-from .validate import Rules, validate_adapter
-from .watcher import Watcher
+from .registry.local import LocalSource
+from .registry.s3 import AdapterSource, S3Source
+from .registry.transfer import TransferPolicy, transfer_executor
+from .validation.validate import Rules, validate_adapter
+from .web.api import READ_ONLY_ROUTES, Services, build_web_app
+from .web.epp import AdapterSet, EppExporter
 
 log = logging.getLogger(__name__)
 

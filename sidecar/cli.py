@@ -247,8 +247,8 @@ def _wait_ready(args: argparse.Namespace) -> tuple[bool, str]:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from .shapes import ModelShapes
-    from .validate import Rules, run_validate
+    from .validation.shapes import ModelShapes
+    from .validation.validate import Rules, run_validate
 
     try:
         shapes = ModelShapes.from_file(args.base_model_config) if args.base_model_config else None

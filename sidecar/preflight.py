@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .config import REGISTRY_START_CHECK_S, Settings, local_registry_problem, option_for
 from .errors import AdapterNotFound, SidecarError
-from .source import AdapterSource
+from .registry.s3 import AdapterSource
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ import aiohttp
 import numpy as np
 import pytest
 
-from sidecar.checksum import crc32_hex
+from sidecar.cache.store import CHECK_VALUES
 from sidecar.examples import tensor_name, write_adapter
-from sidecar.shapes import ModelShapes
-from sidecar.store import CHECK_VALUES
-from sidecar.transfer import TransferPolicy, part_starts
+from sidecar.registry.checksum import crc32_hex
+from sidecar.registry.transfer import TransferPolicy, part_starts
+from sidecar.validation.shapes import ModelShapes
 from tests.conftest import (
     S3Registry,
     StartSidecar,

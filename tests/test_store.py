@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from sidecar.cache.store import AdapterRecord, AdapterStore, FileRecord
 from sidecar.errors import LeaseNotFound
 from sidecar.metrics import Metrics
-from sidecar.store import AdapterRecord, AdapterStore, FileRecord
 
 
 class Clock:

@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .errors import SidecarError
-from .source import AdapterSource
-from .store import iso_utc
+from ..cache.store import iso_utc
+from ..errors import SidecarError
+from ..registry.s3 import AdapterSource
 
 log = logging.getLogger(__name__)
 

@@ -19,17 +19,17 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 from botocore import exceptions as bce
 
-from .checksum import crc32_hex, s3_checksum_hex
-from .config import ADAPTER_ID_PATTERN, Settings, hide_password, is_valid_adapter_id
-from .errors import (
+from ..config import ADAPTER_ID_PATTERN, Settings, hide_password, is_valid_adapter_id
+from ..errors import (
     AdapterNotFound,
     SidecarError,
     SourceChanged,
     SourceError,
     SourceUnavailable,
 )
+from ..logs import fields
+from .checksum import crc32_hex, s3_checksum_hex
 from .httpranges import ConnectionPool, RangeReader
-from .logs import fields
 from .proxies import botocore_proxies
 from .transfer import Inspector, TransferPolicy, download
 

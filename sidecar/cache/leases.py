@@ -44,8 +44,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import is_valid_adapter_id
-from .logs import fields
+from ..config import is_valid_adapter_id
+from ..logs import fields
 
 log = logging.getLogger(__name__)
 

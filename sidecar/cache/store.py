@@ -24,12 +24,12 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .checksum import crc32_hex
-from .config import format_size, is_valid_adapter_id
-from .errors import AdapterInUse, CacheFull, LeaseNotFound, NotCached
+from ..config import format_size, is_valid_adapter_id
+from ..errors import AdapterInUse, CacheFull, LeaseNotFound, NotCached
+from ..logs import fields
+from ..metrics import CacheSnapshot, Metrics
+from ..registry.checksum import crc32_hex
 from .leases import JOURNAL_NAME, JournalLease, LeaseJournal, lease_digest
-from .logs import fields
-from .metrics import CacheSnapshot, Metrics
 
 log = logging.getLogger(__name__)
 

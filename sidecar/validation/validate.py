@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
+from ..config import LLAMA_TARGET_MODULES, Settings
+from ..errors import ConfigError
 from .adapter_config import LoraConfig, check_adapter_config
-from .config import LLAMA_TARGET_MODULES, Settings
-from .errors import ConfigError
 from .safetensors_check import TensorInfo, check_safetensors, shown
 from .shapes import ATTENTION_MODULES, ModelShapes
 from .values import Layout, NonFinite, ValueReport, scan_file

@@ -15,9 +15,10 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from .config import Settings
-from .epp import EppExporter
-from .errors import (
+from ..cache.stager import Stager, StageResult, check_adapter_id
+from ..cache.store import AdapterStore, CachedAdapter, iso_utc
+from ..config import Settings
+from ..errors import (
     AdapterInUse,
     AdapterNotFound,
     BadRequest,
@@ -38,9 +39,8 @@ from .errors import (
     StageTimeout,
     Unauthorized,
 )
-from .metrics import CONTENT_TYPE, Metrics
-from .stager import Stager, StageResult, check_adapter_id
-from .store import AdapterStore, CachedAdapter, iso_utc
+from ..metrics import CONTENT_TYPE, Metrics
+from .epp import EppExporter
 
 log = logging.getLogger(__name__)
 

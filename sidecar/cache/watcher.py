@@ -32,10 +32,12 @@ from watchdog.events import (
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 
-from .checksum import crc32_hex
-from .config import is_valid_adapter_id
-from .logs import fields
-from .metrics import Metrics
+from ..config import is_valid_adapter_id
+from ..logs import fields
+from ..metrics import Metrics
+from ..registry.checksum import crc32_hex
+from ..validation.validate import CHECKSUMS_FILE, WEIGHTS_FILE, Problem, Rules, validate_adapter
+from ..validation.values import ValueReport, ValueScan
 from .store import (
     CHECK_RULES,
     CHECK_SHA256SUMS,
@@ -47,8 +49,6 @@ from .store import (
     FileRecord,
     write_record,
 )
-from .validate import CHECKSUMS_FILE, WEIGHTS_FILE, Problem, Rules, validate_adapter
-from .values import ValueReport, ValueScan
 
 log = logging.getLogger(__name__)
 

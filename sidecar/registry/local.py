@@ -13,10 +13,10 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from ..config import is_valid_adapter_id
+from ..errors import AdapterNotFound, SourceChanged, SourceUnavailable
 from .checksum import crc32_hex
-from .config import is_valid_adapter_id
-from .errors import AdapterNotFound, SourceChanged, SourceUnavailable
-from .source import FetchedFile, Listing, RemoteFile, SkippedFolders, is_safe_file_name
+from .s3 import FetchedFile, Listing, RemoteFile, SkippedFolders, is_safe_file_name
 from .transfer import Inspector, TransferPolicy, download, open_in_thread
 
 log = logging.getLogger(__name__)

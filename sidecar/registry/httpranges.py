@@ -35,7 +35,7 @@ from urllib3.exceptions import (
 )
 from urllib3.util.retry import Retry
 
-from .errors import SidecarError, SourceChanged, SourceError, SourceUnavailable
+from ..errors import SidecarError, SourceChanged, SourceError, SourceUnavailable
 from .proxies import proxy_for
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import is_valid_adapter_id
-from .errors import (
+from ..config import is_valid_adapter_id
+from ..errors import (
     AdapterNotFound,
     CacheFull,
     CacheUnwritable,
@@ -24,9 +24,18 @@ from .errors import (
     SidecarError,
     StageTimeout,
 )
-from .logs import fields
-from .metrics import Metrics
-from .source import AdapterSource, FetchedFile, Listing, RemoteFile
+from ..logs import fields
+from ..metrics import Metrics
+from ..registry.s3 import AdapterSource, FetchedFile, Listing, RemoteFile
+from ..validation.validate import (
+    CHECKSUMS_FILE,
+    WEIGHTS_FILE,
+    Problem,
+    Rules,
+    check_file_name,
+    validate_adapter,
+)
+from ..validation.values import ValueReport, ValueScan, finish_scan
 from .store import (
     CHECK_REGISTRY,
     CHECK_RULES,
@@ -43,15 +52,6 @@ from .store import (
     remove_tree,
     write_record,
 )
-from .validate import (
-    CHECKSUMS_FILE,
-    WEIGHTS_FILE,
-    Problem,
-    Rules,
-    check_file_name,
-    validate_adapter,
-)
-from .values import ValueReport, ValueScan, finish_scan
 
 log = logging.getLogger(__name__)
 
