@@ -19,13 +19,14 @@ from prometheus_client import CollectorRegistry
 from .cache.leases import JournalLease, LeaseJournal
 from .cache.ownership import EXIT_CACHE_OWNED, CacheLock
 from .cache.stager import Stager
-from .cache.store import CHECK_VALUES, AdapterRecord, AdapterStore, add_verified, remove_tree
+from .cache.store import CHECK_VALUES, AdapterRecord, AdapterStore, add_verified
 from .cache.watcher import Watcher
 from .catalog.catalog import Catalog
 from .catalog.registry_view import RegistryView
 from .catalog.seed import REPOSITORY_DIR, seed_model_repository
 from .config import Settings, is_loopback
 from .errors import CacheOwned, ConfigError, SidecarError, SourceUnavailable
+from .fsutil import remove_tree
 from .logs import configure_logging, fields
 from .metrics import Metrics
 from .preflight import configuration_problems

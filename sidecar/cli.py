@@ -19,7 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import LLAMA_TARGET_MODULES, format_size, is_valid_adapter_id
+from .config import LLAMA_TARGET_MODULES, format_size
+from .ids import is_valid_adapter_id
 
 DEFAULT_URL = "http://127.0.0.1:8500"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

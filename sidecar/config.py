@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .errors import ConfigError
+from .ids import is_valid_adapter_id
 
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "LORA_SIDECAR_"
 # The most a start waits on the registry to judge --pin before starting anyway (preflight.py).
 REGISTRY_START_CHECK_S = 10.0
-ADAPTER_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 LLAMA_TARGET_MODULES = (
     "q_proj",
     "k_proj",
@@ -42,15 +42,6 @@ _URL_PASSWORD = re.compile(r"(://[^/@:\s]*:)[^/@\s]*@")
 def hide_password(text: str) -> str:
     """A URL fit for logs and error messages: `http://user:<hidden>@host`."""
     return _URL_PASSWORD.sub(r"\1<hidden>@", text)
-
-
-def is_valid_adapter_id(adapter_id: object) -> bool:
-    """Strict id check: the pattern, and never a name the filesystem treats specially."""
-    return (
-        isinstance(adapter_id, str)
-        and ADAPTER_ID_PATTERN.fullmatch(adapter_id) is not None
-        and adapter_id not in (".", "..")
-    )
 
 
 class TritonReload(Enum):

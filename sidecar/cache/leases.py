@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import is_valid_adapter_id
+from ..ids import is_valid_adapter_id
 from ..logs import fields
 
 log = logging.getLogger(__name__)

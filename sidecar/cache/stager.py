@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import is_valid_adapter_id
 from ..errors import (
     AdapterNotFound,
     CacheFull,
@@ -24,6 +23,8 @@ from ..errors import (
     SidecarError,
     StageTimeout,
 )
+from ..fsutil import fsync_dir, iso_utc, remove_tree
+from ..ids import is_valid_adapter_id
 from ..logs import fields
 from ..metrics import Metrics
 from ..registry.s3 import AdapterSource, FetchedFile, Listing, RemoteFile
@@ -47,9 +48,6 @@ from .store import (
     CachedAdapter,
     FileRecord,
     Lease,
-    fsync_dir,
-    iso_utc,
-    remove_tree,
     write_record,
 )
 

@@ -6,7 +6,6 @@ makes them true on disk, so the index and the folder under `adapters/` never dis
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
@@ -24,8 +23,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..config import format_size, is_valid_adapter_id
+from ..config import format_size
 from ..errors import AdapterInUse, CacheFull, LeaseNotFound, NotCached
+from ..fsutil import fsync_dir, iso_utc, remove_tree
+from ..ids import is_valid_adapter_id
 from ..logs import fields
 from ..metrics import CacheSnapshot, Metrics
 from ..registry.checksum import crc32_hex
@@ -46,17 +47,6 @@ class EvictReason(Enum):
     MANUAL = "manual"
     FORCED = "forced"
     EXTERNAL = "external"
-
-
-def iso_utc(unix_s: float) -> str:
-    """`2026-12-02T14:28:52.178Z`"""
-    millis = int(unix_s * 1000)
-    return f"{_iso_seconds(millis // 1000)}.{millis % 1000:03d}Z"
-
-
-@functools.lru_cache(maxsize=64)
-def _iso_seconds(unix_s: int) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(unix_s))
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,7 +243,7 @@ class AdapterStore:
             folder.mkdir(parents=True, exist_ok=True)
         for folder in (self.staging_dir, self.trash_dir):
             for entry in list(folder.iterdir()):
-                _remove_tree(entry)
+                remove_tree(entry)
         own_probe = f".write-probe.{os.getpid()}"  # the health check's, running meanwhile
         for probe in self.root.glob(".write-probe.*"):  # left by a process killed mid-probe
             if probe.name != own_probe:
@@ -731,18 +721,6 @@ class AdapterStore:
         return pending
 
 
-def _remove_tree(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def remove_tree(path: Path) -> None:
-    """Delete a staging or trash folder (blocking: run in a thread)."""
-    _remove_tree(path)
-
-
 def write_record(folder: Path, record: AdapterRecord, *, dir_fd: int | None = None,
                  name: str = RECORD_NAME) -> AdapterRecord:
     """Write `.sidecar.json` into a folder, fsynced, with each file's modification time as it
@@ -797,11 +775,3 @@ def _reverified(folder: Path, stale: RecordStale) -> AdapterRecord:
              "bytes; record updated", record.adapter_id,
              extra=fields(event="record_refreshed", adapter_id=record.adapter_id))
     return fresh
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -32,7 +32,7 @@ from watchdog.events import (
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 
-from ..config import is_valid_adapter_id
+from ..ids import is_valid_adapter_id
 from ..logs import fields
 from ..metrics import Metrics
 from ..registry.checksum import crc32_hex

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from ..cache.store import AdapterStore, iso_utc
+from ..cache.store import AdapterStore
 from ..config import Settings, TritonReload
 from ..errors import CatalogPending, CatalogReloading
+from ..fsutil import iso_utc
 from ..logs import fields
 from ..metrics import Metrics
 from ..validation.validate import Rules

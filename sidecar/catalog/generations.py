@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save
 
-from ..cache.store import fsync_dir
+from ..fsutil import fsync_dir
 from ..validation.shapes import ATTENTION_MODULES, ModelShapes
 
 CATALOG_DIR = "catalog"

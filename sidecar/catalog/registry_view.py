@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..cache.store import iso_utc
 from ..errors import SidecarError
+from ..fsutil import iso_utc
 from ..registry.s3 import AdapterSource
 
 log = logging.getLogger(__name__)

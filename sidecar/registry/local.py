@@ -13,8 +13,8 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from ..config import is_valid_adapter_id
 from ..errors import AdapterNotFound, SourceChanged, SourceUnavailable
+from ..ids import is_valid_adapter_id
 from .checksum import crc32_hex
 from .s3 import FetchedFile, Listing, RemoteFile, SkippedFolders, is_safe_file_name
 from .transfer import Inspector, TransferPolicy, download, open_in_thread

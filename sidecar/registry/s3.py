@@ -19,7 +19,7 @@ from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 from botocore import exceptions as bce
 
-from ..config import ADAPTER_ID_PATTERN, Settings, hide_password, is_valid_adapter_id
+from ..config import Settings, hide_password
 from ..errors import (
     AdapterNotFound,
     SidecarError,
@@ -27,6 +27,7 @@ from ..errors import (
     SourceError,
     SourceUnavailable,
 )
+from ..ids import ADAPTER_ID_PATTERN, is_valid_adapter_id
 from ..logs import fields
 from .checksum import crc32_hex, s3_checksum_hex
 from .httpranges import ConnectionPool, RangeReader

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from ..cache.stager import Stager, StageResult, check_adapter_id
-from ..cache.store import AdapterStore, CachedAdapter, iso_utc
+from ..cache.store import AdapterStore, CachedAdapter
 from ..config import Settings
 from ..errors import (
     AdapterInUse,
@@ -39,6 +39,7 @@ from ..errors import (
     StageTimeout,
     Unauthorized,
 )
+from ..fsutil import iso_utc
 from ..metrics import CONTENT_TYPE, Metrics
 from .epp import EppExporter
 
