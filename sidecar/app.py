@@ -18,8 +18,9 @@ from prometheus_client import CollectorRegistry
 
 from .cache.leases import JournalLease, LeaseJournal
 from .cache.ownership import EXIT_CACHE_OWNED, CacheLock
+from .cache.records import CHECK_VALUES, AdapterRecord, add_verified
 from .cache.stager import Stager
-from .cache.store import CHECK_VALUES, AdapterRecord, AdapterStore, add_verified
+from .cache.store import AdapterStore
 from .cache.watcher import Watcher
 from .catalog.catalog import Catalog
 from .catalog.registry_view import RegistryView
@@ -109,7 +110,6 @@ class Sidecar:
             self.metrics,
             refusal_ttl_s=settings.refusal_ttl_s,
             not_found_ttl_s=settings.not_found_ttl_s,
-            on_trash=self.purge_trash,
             on_source_result=self._note_source_result,
         )
         self.catalog = Catalog(settings, self.store, self.rules, self.metrics)
@@ -118,7 +118,8 @@ class Sidecar:
         self.registry_view = RegistryView(
             self.source, settings.catalog_refresh_s,
             lambda: (adapter.adapter_id for adapter in self.store.adapters()))
-        self.watcher = Watcher(self.store, self.rules, self.metrics, on_trash=self.purge_trash)
+        self.watcher = Watcher(self.store, self.rules, self.metrics)
+        self.store.on_trash = self.purge_trash
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
@@ -339,8 +340,6 @@ class Sidecar:
             if store.get(adapter_id) is not None:
                 self._pins_pending.discard(adapter_id)
         evicted = store.trim()
-        if evicted:
-            self.purge_trash()
         elapsed_s = time.perf_counter() - started
         log.info("recovered cache in %.2fs: adopted=%d quarantined=%d leases=%d "
                  "evicted_to_budget=%d bytes=%d", elapsed_s, len(records), quarantined,
@@ -376,8 +375,8 @@ class Sidecar:
         while True:
             try:
                 expired = store.expire_leases()
-                if expired and store.trim():
-                    self.purge_trash()
+                if expired:
+                    store.trim()
                 journal = store.journal
                 if journal is not None:
                     if journal.flush_due():

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sidecar.cache.store import RECORD_NAME, AdapterRecord
+from sidecar.cache.records import RECORD_NAME, AdapterRecord
 from sidecar.validation.validate import Rules, validate_adapter
 
 

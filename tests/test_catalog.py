@@ -124,7 +124,7 @@ class World:
                        for folder in store.published_folders()])
         policy = TransferPolicy(part_size_bytes=8 << 20, attempts=1, limiter=asyncio.Semaphore(4))
         self.stager = Stager(store, LocalSource(Path(settings.registry), policy), rules,
-                             self.metrics, refusal_ttl_s=0, on_trash=lambda: None)
+                             self.metrics, refusal_ttl_s=0)
         catalog = Catalog(settings, store, rules, self.metrics, control=self.control,
                           clock=self.clock, wall=self.wall)
         store.before_evict = catalog.names.before_evict

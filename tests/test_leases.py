@@ -12,7 +12,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sidecar.cache.leases import JOURNAL_NAME, LeaseJournal, lease_digest
-from sidecar.cache.store import AdapterRecord, AdapterStore, FileRecord
+from sidecar.cache.records import AdapterRecord, FileRecord
+from sidecar.cache.store import AdapterStore
 from sidecar.errors import LeaseNotFound
 from sidecar.metrics import Metrics
 from tests.conftest import local_registry_adapter

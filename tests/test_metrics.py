@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from sidecar.cache.store import RECORD_NAME
+from sidecar.cache.records import RECORD_NAME
 from sidecar.metrics import STAGE_BUCKETS_S
 from tests.broken_adapters import CORPUS
 from tests.conftest import (

@@ -20,7 +20,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from sidecar.cache.store import CHECK_VALUES
+from sidecar.cache.records import CHECK_VALUES
 from sidecar.examples import tensor_name, write_adapter
 from sidecar.registry.checksum import crc32_hex
 from sidecar.registry.transfer import TransferPolicy, part_starts

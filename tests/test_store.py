@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sidecar.cache.store import AdapterRecord, AdapterStore, FileRecord
+from sidecar.cache.records import AdapterRecord, FileRecord
+from sidecar.cache.store import AdapterStore
 from sidecar.errors import LeaseNotFound
 from sidecar.metrics import Metrics
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 
 from sidecar.app import Sidecar
-from sidecar.cache.store import RECORD_NAME
+from sidecar.cache.records import RECORD_NAME
 from sidecar.examples import write_adapter
 from tests.broken_adapters import CORPUS
 from tests.conftest import StartSidecar, call, local_registry_adapter, make_settings

@@ -37,19 +37,18 @@ from ..validation.validate import (
     validate_adapter,
 )
 from ..validation.values import ValueReport, ValueScan, finish_scan
-from .store import (
+from .lru import CachedAdapter
+from .records import (
     CHECK_REGISTRY,
     CHECK_RULES,
     CHECK_SHA256SUMS,
     CHECK_VALUES,
     RECORD_NAME,
     AdapterRecord,
-    AdapterStore,
-    CachedAdapter,
     FileRecord,
-    Lease,
     write_record,
 )
+from .store import AdapterStore, Lease
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +84,6 @@ class Stager:
         *,
         refusal_ttl_s: float,
         not_found_ttl_s: float = 0.0,
-        on_trash: Callable[[], None],
         on_source_result: Callable[[SidecarError | None], None] = lambda _: None,
     ) -> None:
         self._store = store
@@ -94,7 +92,6 @@ class Stager:
         self._metrics = metrics
         self._refusal_ttl_s = refusal_ttl_s
         self._not_found_ttl_s = not_found_ttl_s
-        self._on_trash = on_trash
         self._on_source_result = on_source_result
         self._inflight: dict[str, asyncio.Task[None]] = {}
         # Verdicts answered again without a fetch until they expire (monotonic seconds): a
@@ -279,8 +276,7 @@ class Stager:
                                   files=len(listing.files), duration_s=round(elapsed, 3)))
             # Trimmed in the same loop step as the publication, never after an await: no
             # request may see the cache over budget with an adapter nothing protects.
-            if self._store.trim():
-                self._on_trash()
+            self._store.trim()
             await asyncio.to_thread(fsync_dir, self._store.adapters_dir)
         except SidecarError as exc:
             _log_failure(adapter_id, exc, time.perf_counter() - started)

@@ -6,39 +6,37 @@ makes them true on disk, so the index and the folder under `adapters/` never dis
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
-import re
 import secrets
 import shutil
 import time
-import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import Enum
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from ..config import format_size
 from ..errors import AdapterInUse, CacheFull, LeaseNotFound, NotCached
-from ..fsutil import fsync_dir, iso_utc, remove_tree
-from ..ids import is_valid_adapter_id
+from ..fsutil import remove_tree
 from ..logs import fields
 from ..metrics import CacheSnapshot, Metrics
-from ..registry.checksum import crc32_hex
 from .leases import JOURNAL_NAME, JournalLease, LeaseJournal, lease_digest
+from .lru import CachedAdapter, LruIndex, eviction_order
+from .records import (
+    RECORD_NAME,
+    AdapterRecord,
+    RecordStale,
+    read_record,
+    reverified,
+)
 
 log = logging.getLogger(__name__)
 
-RECORD_NAME = ".sidecar.json"
-RECORD_MAX_BYTES = 1024 * 1024
-RECORD_FORMAT = 1
-_HEX8 = re.compile(r"[0-9a-f]{8}")
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 EXPIRY_LOG_LINES = 20  # per sweep; a crashed router can leave thousands to expire at once
 
 
@@ -47,117 +45,6 @@ class EvictReason(Enum):
     MANUAL = "manual"
     FORCED = "forced"
     EXTERNAL = "external"
-
-
-@dataclass(frozen=True, slots=True)
-class FileRecord:
-    size_bytes: int
-    etag: str
-    crc32: str  # 8 hex digits, computed while the bytes streamed
-    sha256: str | None = None  # when the registry gave one to check against
-    mtime_ns: int | None = None  # when sealed: a restart trusts the checks only if unchanged
-
-
-class RecordStale(ValueError):
-    """The files have the recorded sizes but not the recorded modification times: copied
-    without their times, or rewritten in place. Only re-reading them can tell which."""
-
-    def __init__(self, message: str, record: AdapterRecord, mtimes: Mapping[str, int]) -> None:
-        super().__init__(message)
-        self.record = record
-        self.mtimes = dict(mtimes)
-
-
-# What a record's `verified` may list: checks the bytes passed before publication.
-CHECK_REGISTRY = "registry_checksum"  # the registry's full-object CRC-32 or SHA-256
-CHECK_SHA256SUMS = "sha256sums"  # the adapter's own SHA256SUMS file
-CHECK_RULES = "validation"  # the validation rules of the sidecar that published it
-CHECK_VALUES = "finite_values"  # every tensor value read and found finite
-
-
-@dataclass(frozen=True, slots=True)
-class AdapterRecord:
-    """What `.sidecar.json` says about a published folder."""
-
-    adapter_id: str
-    source: str
-    staged_at: float
-    files: Mapping[str, FileRecord]
-    # What the bytes passed before publication (the CHECK_* names), trusted by a restart while
-    # every file keeps its recorded size and modification time: nothing is re-hashed.
-    verified: tuple[str, ...] = ()
-    size_bytes: int = field(init=False, compare=False)  # summed once: read on every hit
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "size_bytes", sum(f.size_bytes for f in self.files.values()))
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format": RECORD_FORMAT,
-            "adapter_id": self.adapter_id,
-            "source": self.source,
-            "size_bytes": self.size_bytes,
-            "staged_at": iso_utc(self.staged_at),
-            "staged_at_unix": self.staged_at,
-            "verified": list(self.verified),
-            "files": {
-                name: {"size_bytes": f.size_bytes, "etag": f.etag, "crc32": f.crc32,
-                       "sha256": f.sha256, "mtime_ns": f.mtime_ns}
-                for name, f in sorted(self.files.items())
-            },
-        }
-
-    def with_times(self, mtimes: Mapping[str, int]) -> AdapterRecord:
-        """The same record with each file's modification time as found on disk."""
-        files = {name: FileRecord(f.size_bytes, f.etag, f.crc32, f.sha256, mtimes.get(name))
-                 for name, f in self.files.items()}
-        return AdapterRecord(self.adapter_id, self.source, self.staged_at, files, self.verified)
-
-    @classmethod
-    def from_json(cls, data: object) -> AdapterRecord:
-        """Parse a record; ValueError says what is wrong with it."""
-        if not isinstance(data, dict) or data.get("format") != RECORD_FORMAT:
-            raise ValueError("not a record of a known format")
-        files_raw = data.get("files")
-        if not isinstance(files_raw, dict) or not files_raw:
-            raise ValueError("no files listed")
-        files = {}
-        for name, entry in files_raw.items():
-            if not isinstance(entry, dict):
-                raise ValueError(f"bad entry for {name!r}")
-            size, etag = entry.get("size_bytes"), entry.get("etag")
-            crc, sha, mtime = entry.get("crc32"), entry.get("sha256"), entry.get("mtime_ns")
-            if not (isinstance(size, int) and size >= 0 and isinstance(etag, str)
-                    and isinstance(crc, str) and _HEX8.fullmatch(crc)
-                    and (sha is None or (isinstance(sha, str) and _HEX64.fullmatch(sha)))
-                    and (mtime is None or isinstance(mtime, int))):
-                raise ValueError(f"bad entry for {name!r}")
-            files[name] = FileRecord(size, etag, crc, sha, mtime)
-        adapter_id, source, staged_at = (
-            data.get("adapter_id"), data.get("source"), data.get("staged_at_unix"),
-        )
-        if not (isinstance(adapter_id, str) and isinstance(source, str)
-                and isinstance(staged_at, int | float)):
-            raise ValueError("missing adapter_id, source or staged_at")
-        verified = data.get("verified", [])  # absent from records of older versions
-        if not (isinstance(verified, list) and all(isinstance(v, str) for v in verified)):
-            raise ValueError("bad verified list")
-        return cls(adapter_id, source, float(staged_at), files, tuple(verified))
-
-
-@dataclass(slots=True)
-class CachedAdapter:
-    record: AdapterRecord
-    last_used: float
-    pinned: bool = False
-
-    @property
-    def adapter_id(self) -> str:
-        return self.record.adapter_id
-
-    @property
-    def size_bytes(self) -> int:
-        return self.record.size_bytes
 
 
 class Lease(NamedTuple):
@@ -207,7 +94,7 @@ class AdapterStore:
         self._metrics = metrics
         self._clock = clock  # the wall clock: staged_at, last_used, what callers read
         self._monotonic = monotonic  # lease expiry: immune to the wall clock being stepped
-        self._index: OrderedDict[str, CachedAdapter] = OrderedDict()  # LRU first
+        self._index = LruIndex()
         # lease key -> (adapter_id, expires_at on the monotonic clock, the id's digest in the
         # journal), in expiry order. The key is the lease id, or "#" + its digest for a lease
         # read back from the journal (only digests are written there; "#" never starts an id
@@ -229,6 +116,8 @@ class AdapterStore:
         # keeps its files), and after one vanished or changed outside the sidecar.
         self.before_evict: Callable[[str, Path], None] = lambda adapter_id, folder: None
         self.after_forget: Callable[[str], None] = lambda adapter_id: None
+        # The process's: delete what take_trash returns, off the loop (after trim evicted).
+        self.on_trash: Callable[[], None] = lambda: None
         self.journal: LeaseJournal | None = None  # set by the recovery, once it is read
 
     @property
@@ -270,7 +159,7 @@ class AdapterStore:
             try:
                 record = self.read_record(entry)
             except RecordStale as stale:
-                record = _reverified(entry, stale)
+                record = reverified(entry, stale)
             problems = check(entry, record)
             if problems:
                 raise ValueError("; ".join(problems))
@@ -283,48 +172,14 @@ class AdapterStore:
 
     def read_record(self, folder: Path) -> AdapterRecord:
         """The folder's record, checked against the files present (stat only, no hashing)."""
-        if folder.is_symlink() or not folder.is_dir():
-            raise ValueError("not a folder")
-        if not is_valid_adapter_id(folder.name):
-            raise ValueError("not a valid adapter id")
-        try:
-            with open(folder / RECORD_NAME, "rb") as f:
-                raw = f.read(RECORD_MAX_BYTES + 1)
-        except FileNotFoundError:
-            raise ValueError(f"no {RECORD_NAME} record") from None
-        except OSError as exc:
-            raise ValueError(f"cannot read {RECORD_NAME}: {exc.strerror}") from None
-        if len(raw) > RECORD_MAX_BYTES:
-            raise ValueError(f"{RECORD_NAME} is too large")
-        try:
-            record = AdapterRecord.from_json(json.loads(raw))
-        except ValueError as exc:
-            raise ValueError(f"{RECORD_NAME} is not valid: {exc}") from None
-        if record.adapter_id != folder.name:
-            raise ValueError(f"{RECORD_NAME} names another adapter ({record.adapter_id!r})")
-        present, mtimes = {}, {}
-        for entry in os.scandir(folder):
-            if entry.name == RECORD_NAME:
-                continue
-            st = entry.stat(follow_symlinks=False)
-            present[entry.name] = st.st_size if entry.is_file(follow_symlinks=False) else -1
-            mtimes[entry.name] = st.st_mtime_ns
-        expected = {name: f.size_bytes for name, f in record.files.items()}
-        if present != expected:
-            raise ValueError(f"files on disk differ from {RECORD_NAME}")
-        changed = sorted(name for name, f in record.files.items()
-                         if f.mtime_ns is not None and mtimes[name] != f.mtime_ns)
-        if changed:
-            raise RecordStale(f"{', '.join(changed)} modified since {RECORD_NAME} was "
-                              "written", record, mtimes)
-        return record
+        return read_record(folder)
 
     def install(self, records: Iterable[AdapterRecord]) -> None:
         """Put recovered records into the index, oldest staged first (the LRU order)."""
         for record in sorted(records, key=lambda r: r.staged_at):
-            self._index[record.adapter_id] = CachedAdapter(
+            self._index.add_newest(CachedAdapter(
                 record, last_used=record.staged_at, pinned=record.adapter_id in self._pins
-            )
+            ))
 
     def quarantine(self, folder: Path, reason: str) -> Path:
         """Move a folder out of `adapters/` for an operator to inspect (blocking, a rename)."""
@@ -375,7 +230,7 @@ class AdapterStore:
         now, monotonic_now = self._clock(), self._monotonic()
         expires_at = monotonic_now + self.lease_ttl_s
         adapter.last_used = now
-        self._index.move_to_end(adapter_id)
+        self._index.touch(adapter_id)
         lease = Lease(self._new_lease_id(), adapter_id, expires_at, now + self.lease_ttl_s)
         digest = lease_digest(lease.lease_id)
         self._leases[lease.lease_id] = (adapter_id, expires_at, digest)
@@ -409,7 +264,7 @@ class AdapterStore:
     def touch(self, adapter_id: str) -> None:
         adapter = self._index[adapter_id]
         adapter.last_used = self._clock()
-        self._index.move_to_end(adapter_id)
+        self._index.touch(adapter_id)
 
     def release(self, lease_id: str) -> Lease:
         key = lease_id
@@ -589,12 +444,11 @@ class AdapterStore:
         free = shutil.disk_usage(self.root).free - self.min_free_bytes
         victims: list[str] = []
         freed = 0
-        for candidate in self._index:  # least recently used first
+        for candidate in eviction_order(self._index, self.is_protected):
             if free + freed >= needed_bytes:
                 break
-            if not self.is_protected(candidate):
-                victims.append(candidate)
-                freed += self._index[candidate].size_bytes
+            victims.append(candidate.adapter_id)
+            freed += candidate.size_bytes
         if free + freed < needed_bytes:
             raise CacheFull(
                 f"adapter {adapter_id} needs {format_size(needed_bytes)} on disk but the cache "
@@ -609,20 +463,17 @@ class AdapterStore:
             self._evict_now(victim, EvictReason.LRU)
 
     def trim(self) -> list[Eviction]:
-        """Evict least recently used adapters until the cache is within its budget."""
+        """Evict in eviction order until the cache is within its budget, then hand the
+        evicted folders to `on_trash` for deletion off the loop."""
         evicted = []
         while len(self._index) > self.max_adapters or self.total_bytes > self.max_bytes:
-            victim = self._lru_victim()
+            victim = next(eviction_order(self._index, self.is_protected), None)
             if victim is None:
                 break  # what is left is pinned or leased; trimmed again on release
-            evicted.append(self._evict_now(victim, EvictReason.LRU))
+            evicted.append(self._evict_now(victim.adapter_id, EvictReason.LRU))
+        if evicted:
+            self.on_trash()
         return evicted
-
-    def _lru_victim(self) -> str | None:
-        for adapter_id in self._index:
-            if not self.is_protected(adapter_id):
-                return adapter_id
-        return None
 
     # ---- publish and evict -------------------------------------------------------------
 
@@ -644,15 +495,14 @@ class AdapterStore:
         os.rename(staging, final)
         adapter = CachedAdapter(record, last_used=self._clock(),
                                 pinned=record.adapter_id in self._pins)
-        self._index[record.adapter_id] = adapter
+        self._index.add_newest(adapter)
         return adapter
 
     def adopt(self, record: AdapterRecord) -> CachedAdapter:
         """Index a folder that appeared under `adapters/` and passed validation."""
         adapter = CachedAdapter(record, last_used=self._clock(),
                                 pinned=record.adapter_id in self._pins)
-        self._index[record.adapter_id] = adapter
-        self._index.move_to_end(record.adapter_id, last=False)  # oldest: first to go
+        self._index.add_oldest(adapter)
         return adapter
 
     def evict(self, adapter_id: str, *, force: bool) -> Eviction:
@@ -719,59 +569,3 @@ class AdapterStore:
         """Folders renamed into `.trash/` since the last call, for deletion off the loop."""
         pending, self._trash_pending = self._trash_pending, []
         return pending
-
-
-def write_record(folder: Path, record: AdapterRecord, *, dir_fd: int | None = None,
-                 name: str = RECORD_NAME) -> AdapterRecord:
-    """Write `.sidecar.json` into a folder, fsynced, with each file's modification time as it
-    is now (blocking: run in a thread); returns the record written. With `dir_fd` (the folder,
-    opened) the record lands in that folder even if it was renamed meanwhile."""
-    base = folder if dir_fd is None else Path()
-    mtimes = {file: os.stat(base / file, dir_fd=dir_fd, follow_symlinks=False).st_mtime_ns
-              for file in record.files}
-    record = record.with_times(mtimes)
-    data = json.dumps(record.to_json(), indent=2).encode()
-    fd = os.open(base / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644,
-                 dir_fd=dir_fd)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return record
-
-
-def add_verified(folder: Path, record: AdapterRecord, check: str) -> AdapterRecord:
-    """Rewrite a published folder's record with one more passed check (blocking; a rename, so
-    a crash leaves the old record or the new one)."""
-    updated = AdapterRecord(record.adapter_id, record.source, record.staged_at, record.files,
-                            (*record.verified, check))
-    fresh = write_record(folder, updated, name=f"{RECORD_NAME}.new")
-    os.replace(folder / f"{RECORD_NAME}.new", folder / RECORD_NAME)
-    fsync_dir(folder)
-    return fresh
-
-
-def _reverified(folder: Path, stale: RecordStale) -> AdapterRecord:
-    """Re-read files whose times changed; if every CRC-32 still matches the record, the checks
-    made before publication still hold: rewrite the record with the new times (a rename, so a
-    crash leaves the old record or the new one) and trust it again."""
-    record = stale.record
-    for name, recorded in sorted(record.files.items()):
-        if recorded.mtime_ns is None or stale.mtimes.get(name) == recorded.mtime_ns:
-            continue
-        fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        crc = 0
-        with os.fdopen(fd, "rb", buffering=0) as f:
-            while chunk := f.read(1024 * 1024):
-                crc = zlib.crc32(chunk, crc)
-        if crc32_hex(crc) != recorded.crc32:
-            raise ValueError(f"{name} changed since it was verified (CRC-32 {crc32_hex(crc)}, "
-                             f"{RECORD_NAME} says {recorded.crc32})")
-    fresh = write_record(folder, record, name=f"{RECORD_NAME}.new")
-    os.replace(folder / f"{RECORD_NAME}.new", folder / RECORD_NAME)
-    fsync_dir(folder)
-    log.info("re-read adapter_id=%s: files had new modification times but the recorded "
-             "bytes; record updated", record.adapter_id,
-             extra=fields(event="record_refreshed", adapter_id=record.adapter_id))
-    return fresh

@@ -13,7 +13,6 @@ import os
 import stat
 import time
 import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,17 +37,17 @@ from ..metrics import Metrics
 from ..registry.checksum import crc32_hex
 from ..validation.validate import CHECKSUMS_FILE, WEIGHTS_FILE, Problem, Rules, validate_adapter
 from ..validation.values import ValueReport, ValueScan
-from .store import (
+from .lru import CachedAdapter
+from .records import (
     CHECK_RULES,
     CHECK_SHA256SUMS,
     CHECK_VALUES,
     RECORD_NAME,
     AdapterRecord,
-    AdapterStore,
-    CachedAdapter,
     FileRecord,
     write_record,
 )
+from .store import AdapterStore
 
 log = logging.getLogger(__name__)
 
@@ -100,14 +99,12 @@ class Watcher:
         rules: Rules,
         metrics: Metrics,
         *,
-        on_trash: Callable[[], None],
         settle_s: float = SETTLE_S,
         coalesce_s: float = COALESCE_S,
     ) -> None:
         self._store = store
         self._rules = rules
         self._metrics = metrics
-        self._on_trash = on_trash
         self._settle_s = settle_s
         self._coalesce_s = coalesce_s
         self._root = str(store.adapters_dir) + os.sep
@@ -309,8 +306,7 @@ class Watcher:
                  adapter_id, record.size_bytes, len(record.files), elapsed_s,
                  extra=fields(event="adopted", adapter_id=adapter_id,
                               size_bytes=record.size_bytes, duration_s=round(elapsed_s, 3)))
-        if store.trim():
-            self._on_trash()
+        store.trim()
 
     async def _inspect(self, folder: Path) -> _Inspection | None:
         """Hash and validate a folder (in threads); None if it changed while being read."""

@@ -15,8 +15,9 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from ..cache.lru import CachedAdapter
 from ..cache.stager import Stager, StageResult, check_adapter_id
-from ..cache.store import AdapterStore, CachedAdapter
+from ..cache.store import AdapterStore
 from ..config import Settings
 from ..errors import (
     AdapterInUse,
@@ -299,8 +300,7 @@ async def stage(request: web.Request) -> web.Response:
         except SidecarError:
             if result.lease is not None:
                 services.store.release(result.lease.lease_id)
-                if services.store.trim():
-                    services.purge_trash()
+                services.store.trim()
             raise
     return web.Response(text=_stage_json(services, result, lora_name),
                         content_type="application/json")
@@ -311,8 +311,7 @@ async def release(request: web.Request) -> web.Response:
     body = await _body(request, "release")
     await _recovered(services)
     lease = services.store.release(body["lease_id"])
-    if services.store.trim():
-        services.purge_trash()
+    services.store.trim()
     return web.json_response({"released": True, "adapter_id": lease.adapter_id})
 
 
@@ -373,8 +372,7 @@ async def unpin(request: web.Request) -> web.Response:
     was_pinned = unpin(adapter_id)
     if was_pinned:
         log.info("unpinned adapter_id=%s", adapter_id)
-        if services.store.trim():
-            services.purge_trash()
+        services.store.trim()
     return web.json_response({"adapter_id": adapter_id, "was_pinned": was_pinned})
 
 
