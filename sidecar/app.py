@@ -31,8 +31,8 @@ from .fsutil import remove_tree
 from .logs import configure_logging, fields
 from .metrics import Metrics
 from .preflight import configuration_problems
-from .registry.local import LocalSource
-from .registry.s3 import AdapterSource, S3Source
+from .registry.base import AdapterSource
+from .registry.kinds import open_source
 from .registry.transfer import TransferPolicy, transfer_executor
 from .validation.validate import Rules, validate_adapter
 from .web.api import READ_ONLY_ROUTES, Services, build_web_app
@@ -97,12 +97,8 @@ class Sidecar:
         )
         self._transfer_executor = policy.executor
         self.source: AdapterSource
-        if settings.is_s3:
-            self.source = S3Source(settings, policy, self._count_registry_error,
-                                   self.metrics.registry_skipped_folders.set)
-        else:
-            self.source = LocalSource(Path(settings.registry).expanduser().absolute(), policy,
-                                      self.metrics.registry_skipped_folders.set)
+        self.source = open_source(settings, policy, self._count_registry_error,
+                                  self.metrics.registry_skipped_folders.set)
         self.stager = Stager(
             self.store,
             self.source,
@@ -173,8 +169,7 @@ class Sidecar:
             await asyncio.shield(recovery)
 
     async def _listen(self) -> None:
-        if isinstance(self.source, S3Source):
-            await self.source.open()
+        await self.source.open()
         # Settings that parse but cannot work stop the start (sidecar/preflight.py says which
         # problems stop it and which only delay ready); the caller makes it exit code 2.
         problems = await configuration_problems(self.settings, self.source)

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from .errors import ConfigError
 from .ids import is_valid_adapter_id
+from .registry.kinds import check_location
 
 log = logging.getLogger(__name__)
 
@@ -165,14 +166,9 @@ def _parse_port(text: str) -> int:
 
 def _parse_registry(text: str) -> str:
     registry = text.strip()
-    if registry.startswith("s3://"):
-        bucket = registry.removeprefix("s3://").split("/", 1)[0]
-        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
-            raise ValueError(f"{bucket!r} is not a valid S3 bucket name")
-    elif "://" in registry:
-        raise ValueError("use a local folder or s3://bucket/prefix")
-    elif not registry:
+    if not registry:
         raise ValueError("must not be empty")
+    check_location(registry)  # each registry kind judges its own locations
     return registry
 
 
@@ -516,6 +512,11 @@ class Settings:
     @property
     def is_s3(self) -> bool:
         return self.registry.startswith("s3://")
+
+    @property
+    def is_local(self) -> bool:
+        """A folder path rather than a URL of some registry kind."""
+        return "://" not in self.registry
 
     # ---- construction --------------------------------------------------------------
 

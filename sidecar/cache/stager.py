@@ -27,7 +27,7 @@ from ..fsutil import fsync_dir, iso_utc, remove_tree
 from ..ids import is_valid_adapter_id
 from ..logs import fields
 from ..metrics import Metrics
-from ..registry.s3 import AdapterSource, FetchedFile, Listing, RemoteFile
+from ..registry.base import AdapterSource, FetchedFile, Listing, RemoteFile
 from ..validation.validate import (
     CHECKSUMS_FILE,
     WEIGHTS_FILE,

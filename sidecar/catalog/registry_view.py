@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import SidecarError
 from ..fsutil import iso_utc
-from ..registry.s3 import AdapterSource
+from ..registry.base import AdapterSource
 
 log = logging.getLogger(__name__)
 
