@@ -87,7 +87,6 @@ class Sidecar:
             max_leases=settings.max_leases,
             metrics=self.metrics,
         )
-        self.metrics.watch_store(self.store)
         policy = TransferPolicy(
             part_size_bytes=settings.part_size_bytes,
             attempts=settings.s3_max_attempts,
@@ -108,6 +107,7 @@ class Sidecar:
             not_found_ttl_s=settings.not_found_ttl_s,
             on_source_result=self._note_source_result,
         )
+        self.metrics.watch(self.store, self.stager)
         self.catalog = Catalog(settings, self.store, self.rules, self.metrics)
         self.store.before_evict = self.catalog.names.before_evict
         self.store.after_forget = self.catalog.names.after_forget

@@ -238,7 +238,6 @@ class Stager:
     # ---- the one task per adapter -----------------------------------------------------
 
     async def _stage_once(self, adapter_id: str) -> None:
-        self._metrics.inflight_downloads.inc()
         started = time.perf_counter()
         staging: Path | None = None
         reservation = None
@@ -286,7 +285,6 @@ class Stager:
             _log_failure(adapter_id, error, time.perf_counter() - started)
             raise error from exc
         finally:
-            self._metrics.inflight_downloads.dec()
             if reservation is not None:
                 self._store.unreserve(reservation)
             if staging is not None:

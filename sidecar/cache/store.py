@@ -24,7 +24,7 @@ from ..config import format_size
 from ..errors import AdapterInUse, CacheFull, LeaseNotFound, NotCached
 from ..fsutil import remove_tree
 from ..logs import fields
-from ..metrics import CacheSnapshot, Metrics
+from ..metrics import Metrics
 from .leases import JOURNAL_NAME, JournalLease, LeaseJournal, lease_digest
 from .lru import CachedAdapter, LruIndex, eviction_order
 from .records import (
@@ -66,6 +66,18 @@ class Eviction:
 class Reservation:
     adapter_id: str
     size_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSnapshot:
+    """The cache's fill and budget at one moment."""
+
+    cache_bytes: int
+    cache_adapters: int
+    capacity_bytes: int
+    capacity_adapters: int
+    pinned_adapters: int
+    active_leases: int
 
 
 class AdapterStore:

@@ -417,9 +417,8 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response({"ready": True})
 
 
-async def metrics(request: web.Request) -> web.Response:
-    body = _services(request).metrics.render()
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+async def metrics(request: web.Request) -> web.StreamResponse:
+    return await _services(request).metrics.handler(request)
 
 
 async def metrics_epp(request: web.Request) -> web.Response:
