@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from .config import LLAMA_TARGET_MODULES, format_size
+from .exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from .ids import is_valid_adapter_id
 
 DEFAULT_URL = "http://127.0.0.1:8500"
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 Handler = Callable[[argparse.Namespace], int]
 
 

@@ -24,7 +24,6 @@ from ..errors import CacheOwned
 
 log = logging.getLogger(__name__)
 
-EXIT_CACHE_OWNED = 3  # the exit code of a `serve` refused because another owns the cache
 LOCK_NAME = ".lock"
 OWNER_NAME = ".owner.json"
 OWNER_MAX_BYTES = 4096
