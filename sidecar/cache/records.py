@@ -8,16 +8,15 @@ import json
 import logging
 import os
 import re
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..filehash import hash_file
 from ..fsutil import fsync_dir, iso_utc
 from ..ids import is_valid_adapter_id
 from ..logs import fields
-from ..registry.checksum import crc32_hex
 
 log = logging.getLogger(__name__)
 
@@ -202,13 +201,9 @@ def reverified(folder: Path, stale: RecordStale) -> AdapterRecord:
     for name, recorded in sorted(record.files.items()):
         if recorded.mtime_ns is None or stale.mtimes.get(name) == recorded.mtime_ns:
             continue
-        fd = os.open(folder / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        crc = 0
-        with os.fdopen(fd, "rb", buffering=0) as f:
-            while chunk := f.read(1024 * 1024):
-                crc = zlib.crc32(chunk, crc)
-        if crc32_hex(crc) != recorded.crc32:
-            raise ValueError(f"{name} changed since it was verified (CRC-32 {crc32_hex(crc)}, "
+        crc = hash_file(folder / name, sha256=False).crc32
+        if crc != recorded.crc32:
+            raise ValueError(f"{name} changed since it was verified (CRC-32 {crc}, "
                              f"{RECORD_NAME} says {recorded.crc32})")
     fresh = write_record(folder, record, name=f"{RECORD_NAME}.new")
     os.replace(folder / f"{RECORD_NAME}.new", folder / RECORD_NAME)

@@ -6,13 +6,11 @@ the loop by comparing its folder with the index, so the sidecar's own renames ne
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
 import os
 import stat
 import time
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,10 +29,10 @@ from watchdog.events import (
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 
+from ..filehash import hash_fd
 from ..ids import is_valid_adapter_id
 from ..logs import fields
 from ..metrics import Metrics
-from ..registry.checksum import crc32_hex
 from ..validation.validate import CHECKSUMS_FILE, WEIGHTS_FILE, Problem, Rules, validate_adapter
 from ..validation.values import ValueReport, ValueScan
 from .lru import CachedAdapter
@@ -54,7 +52,6 @@ log = logging.getLogger(__name__)
 COALESCE_S = 0.15  # the events of one burst are gathered this long, then each id is judged once
 SETTLE_S = 1.0  # a folder copied in is judged only after this long without a change
 ADOPT_CONCURRENCY = 2  # folders hashed and validated at once: the stager needs threads too
-HASH_CHUNK_BYTES = 1024 * 1024
 OBSERVER_POLL_S = 0.2  # how long watchdog's thread waits between checks for a stop
 ADOPTED_SOURCE = "adopted"  # `source` of the record written for a folder copied in
 
@@ -391,25 +388,14 @@ def _snapshot(folder: Path) -> _Snapshot:
 def _hash_file(path: Path, scan_values: bool) -> tuple[int, str, str, ValueReport | None]:
     """(bytes read, CRC-32 hex, SHA-256 hex, and the tensor values' check when asked) of a
     regular file, in one pass, never following a link."""
-    digest = hashlib.sha256()
-    crc = 0
-    size_bytes = 0
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         scan = ValueScan(os.fstat(fd).st_size) if scan_values else None
-        feed = scan.stream(0) if scan is not None else None
-        buffer = bytearray(HASH_CHUNK_BYTES)
-        while got := os.readv(fd, [buffer]):
-            chunk = memoryview(buffer)[:got]
-            digest.update(chunk)
-            crc = zlib.crc32(chunk, crc)
-            if feed is not None:
-                feed(size_bytes, chunk)  # last: it may overwrite the chunk
-            size_bytes += got
+        digests = hash_fd(fd, feed=scan.stream(0) if scan is not None else None)
         report = scan.finish(fd) if scan is not None else None
     finally:
         os.close(fd)
-    return size_bytes, crc32_hex(crc), digest.hexdigest(), report
+    return digests.size_bytes, digests.crc32, digests.sha256, report
 
 
 def _write_record_into(folder: Path, expected: os.stat_result, record: AdapterRecord) -> bool:
