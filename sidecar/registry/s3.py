@@ -30,6 +30,7 @@ from .base import FetchedFile, Listing, RemoteFile, SkippedFolders, is_safe_file
 from .checksum import crc32_hex, s3_checksum_hex
 from .httpranges import ConnectionPool, RangeReader
 from .proxies import botocore_proxies
+from .s3errors import s3_cause
 from .transfer import Inspector, TransferPolicy, download
 
 log = logging.getLogger(__name__)
@@ -220,40 +221,40 @@ class S3Source:
         where = self.description
         if isinstance(exc, bce.ClientError):
             code = str(exc.response.get("Error", {}).get("Code", ""))
+            message = str(exc.response.get("Error", {}).get("Message", ""))
             status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-            if status == 404 and (not code or code.isdigit()) and operation != "head":
-                # S3 answers every 404 but a HEAD's with an XML error naming its code; botocore
-                # gives the bare status as the code when there is none.
+            cause = s3_cause(status, code, message, head=operation == "head")
+            if cause == "not_s3":
                 return SourceError(f"the endpoint {self._endpoint()} answered 404 without an "
                                    f"S3 error to a {operation} of {where}: is it an S3 "
                                    "endpoint? Check --s3-endpoint-url", adapter_id=adapter_id,
                                    cause="not_s3")
-            if code in ("ExpiredToken", "TokenRefreshRequired", "RequestExpired"):
+            if cause == "credentials_expired":
                 return SourceError(f"the registry {where} says the credentials expired "
                                    f"({code}): check this machine's clock (NTP) and that the "
                                    "credential source renews short-lived credentials (STS, "
                                    "IRSA)", adapter_id=adapter_id, cause="credentials_expired")
-            if code == "RequestTimeTooSkewed":
+            if cause == "clock":
                 return SourceError(f"the registry {where} refused the request: this machine's "
                                    "clock differs too much from the registry's; check NTP",
                                    adapter_id=adapter_id, cause="clock")
-            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken"):
+            if cause == "credentials":
                 return SourceError(f"the registry {where} refused the credentials ({code}): "
                                    "check the AWS credential chain", adapter_id=adapter_id,
                                    cause="credentials")
-            if code in ("AccessDenied", "AllAccessDisabled") or status == 403:
+            if cause == "permission":
                 return SourceError(f"access denied to {where} ({code or status}): check the "
                                    "credentials' permissions on the bucket",
                                    adapter_id=adapter_id, cause="permission")
-            if code == "NoSuchBucket":
+            if cause == "bucket":
                 return SourceError(f"the bucket {self.bucket!r} does not exist at "
                                    f"{self._endpoint()}", adapter_id=adapter_id, cause="bucket")
-            if code in ("PreconditionFailed", "NoSuchKey") or status in (404, 412):
+            if cause == "object_changed":
                 what = f"an object of {adapter_id}" if adapter_id else "an object"
                 return SourceChanged(f"{what} changed or vanished in {where} while it was "
                                      f"being fetched ({code or status})",
                                      adapter_id=adapter_id, cause="object_changed")
-            if status >= 500 or code in ("SlowDown", "InternalError", "ServiceUnavailable"):
+            if cause == "server":
                 return SourceUnavailable(f"the registry {where} failed ({code or status}) "
                                          f"after {self._settings.s3_max_attempts} attempts",
                                          adapter_id=adapter_id, cause="server")
