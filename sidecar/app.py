@@ -421,9 +421,7 @@ async def _run(settings: Settings, lock: CacheLock | None) -> int:
         log.error("cannot start: %s", exc)
         await sidecar.stop()
         return EXIT_FAILED
-    # Everything built so far (modules, botocore's service models) lives as long as the
-    # process: out of the collector's sight, a full collection stops costing a pause that
-    # showed in the hit path's tail latency.
+    # What is built so far lives as long as the process: out of the collector's sight (hit path).
     gc.collect()
     gc.freeze()
     await stop.wait()

@@ -110,11 +110,7 @@ class AdapterStore:
         # lease key -> (adapter_id, expires_at on the monotonic clock, the id's digest in the
         # journal), in expiry order. The key is the lease id, or "#" + its digest for a lease
         # read back from the journal (only digests are written there; "#" never starts an id
-        # we hand out). Plain tuples of strs and a float, which the garbage collector stops
-        # tracking: callers that never
-        # release can leave hundreds of thousands of leases, and tracked objects made every
-        # full collection a pause of tens of milliseconds on the hit path. An OrderedDict,
-        # because finding the oldest entry of a plain dict skips every slot deleted before it.
+        # we hand out). Untracked tuples in an OrderedDict: benchmarks/README.md, "hit path".
         self._leases: OrderedDict[str, tuple[str, float, str]] = OrderedDict()
         self._lease_counts: dict[str, int] = {}  # adapter_id -> live leases
         self.max_leases = max_leases
@@ -254,8 +250,7 @@ class AdapterStore:
         return lease
 
     def _new_lease_id(self) -> str:
-        """128 random bits from the OS's CSPRNG, fetched 256 ids at a time: one getrandom()
-        per request was a measurable share of the hit path."""
+        """128 random bits from the OS's CSPRNG, fetched 256 ids at a time (hit path)."""
         if not self._random_pool:
             pool = secrets.token_bytes(16 * 256)
             self._random_pool = [pool[i:i + 16].hex() for i in range(0, len(pool), 16)]

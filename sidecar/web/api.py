@@ -252,9 +252,8 @@ def adapter_view(services: Services, adapter: CachedAdapter) -> dict[str, Any]:
 
 
 def _stage_json(services: Services, result: StageResult, lora_name: str) -> str:
-    """The /stage answer. This is the hit path in front of every inference request, so the
-    fields that do not change between answers are encoded once per published adapter and
-    only the lease is added each time."""
+    """The /stage answer: the fields that do not change are encoded once per published
+    adapter, only the lease each time (hit path)."""
     adapter = result.adapter
     cached = services.stage_fragments.get(adapter.adapter_id)
     if cached is None or cached[0] is not adapter:  # a restaged adapter is a new object
@@ -454,8 +453,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def json_errors(handler: Handler) -> Handler:
-    """Every error as JSON with its status from STATUS. A wrapper per route rather than a
-    middleware: aiohttp's middleware chain cost the hit path about a tenth of its time."""
+    """Every error as JSON with its status from STATUS; a wrapper per route, not a
+    middleware (hit path)."""
 
     @functools.wraps(handler)
     async def handle(request: web.Request) -> web.StreamResponse:
