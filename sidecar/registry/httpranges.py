@@ -213,37 +213,29 @@ class RangeReader:
             return SourceChanged(f"{where} changed or vanished in the registry while it was "
                                  "being fetched", adapter_id=self._adapter_id,
                                  cause="object_changed")
-        if cause == "not_s3":
-            return SourceError(f"the endpoint answered 404 without an S3 error to a GET of "
-                               f"{self._describe}: is it an S3 endpoint? Check "
-                               "--s3-endpoint-url", adapter_id=self._adapter_id,
-                               cause="not_s3")
         if cause in ("object_changed", "bucket"):  # a 404 naming its code
             return SourceChanged(f"{where} vanished from the registry while it was being "
                                  "fetched", adapter_id=self._adapter_id, cause="object_changed")
-        if cause == "credentials_expired":
-            again = " although it was just signed again" if after_resign else ""
-            return SourceError(f"the registry says the signature or session token for "
-                               f"{where} expired{again} ({message or code}): check this "
-                               "machine's clock (NTP) and that the credential source renews "
-                               "short-lived credentials (STS, IRSA)",
-                               adapter_id=self._adapter_id, cause="credentials_expired")
-        if cause == "clock":
-            return SourceError(f"the registry refused {where}: this machine's clock differs "
-                               "too much from the registry's; check NTP",
-                               adapter_id=self._adapter_id, cause="clock")
-        if cause == "credentials":
-            return SourceError(f"the registry refused the credentials for {where}: check the "
-                               "AWS credential chain", adapter_id=self._adapter_id,
-                               cause="credentials")
-        if cause == "permission":
-            return SourceError(f"access denied to {where}: check the credentials' permissions "
-                               "on the bucket", adapter_id=self._adapter_id, cause="permission")
         if cause == "server":
             return SourceUnavailable(f"the registry failed on {where}",
-                                     adapter_id=self._adapter_id, cause="server")
-        return SourceError(f"the registry refused a ranged GET of {where}",
-                           adapter_id=self._adapter_id, cause="refused")
+                                     adapter_id=self._adapter_id, cause=cause)
+        again = " although it was just signed again" if after_resign else ""
+        refusals = {
+            "not_s3": f"the endpoint answered 404 without an S3 error to a GET of "
+                      f"{self._describe}: is it an S3 endpoint? Check --s3-endpoint-url",
+            "credentials_expired": f"the registry says the signature or session token for "
+                                   f"{where} expired{again} ({message or code}): check this "
+                                   "machine's clock (NTP) and that the credential source "
+                                   "renews short-lived credentials (STS, IRSA)",
+            "clock": f"the registry refused {where}: this machine's clock differs too much from "
+                     "the registry's; check NTP",
+            "credentials": f"the registry refused the credentials for {where}: check the AWS "
+                           "credential chain",
+            "permission": f"access denied to {where}: check the credentials' permissions on the "
+                          "bucket",
+            "refused": f"the registry refused a ranged GET of {where}",
+        }
+        return SourceError(refusals[cause], adapter_id=self._adapter_id, cause=cause)
 
     def fault(self, exc: BaseException) -> SidecarError:
         """The registry fault that an error of the connection or the HTTP layer means."""

@@ -224,42 +224,33 @@ class S3Source:
             message = str(exc.response.get("Error", {}).get("Message", ""))
             status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
             cause = s3_cause(status, code, message, head=operation == "head")
-            if cause == "not_s3":
-                return SourceError(f"the endpoint {self._endpoint()} answered 404 without an "
-                                   f"S3 error to a {operation} of {where}: is it an S3 "
-                                   "endpoint? Check --s3-endpoint-url", adapter_id=adapter_id,
-                                   cause="not_s3")
-            if cause == "credentials_expired":
-                return SourceError(f"the registry {where} says the credentials expired "
-                                   f"({code}): check this machine's clock (NTP) and that the "
-                                   "credential source renews short-lived credentials (STS, "
-                                   "IRSA)", adapter_id=adapter_id, cause="credentials_expired")
-            if cause == "clock":
-                return SourceError(f"the registry {where} refused the request: this machine's "
-                                   "clock differs too much from the registry's; check NTP",
-                                   adapter_id=adapter_id, cause="clock")
-            if cause == "credentials":
-                return SourceError(f"the registry {where} refused the credentials ({code}): "
-                                   "check the AWS credential chain", adapter_id=adapter_id,
-                                   cause="credentials")
-            if cause == "permission":
-                return SourceError(f"access denied to {where} ({code or status}): check the "
-                                   "credentials' permissions on the bucket",
-                                   adapter_id=adapter_id, cause="permission")
-            if cause == "bucket":
-                return SourceError(f"the bucket {self.bucket!r} does not exist at "
-                                   f"{self._endpoint()}", adapter_id=adapter_id, cause="bucket")
             if cause == "object_changed":
                 what = f"an object of {adapter_id}" if adapter_id else "an object"
                 return SourceChanged(f"{what} changed or vanished in {where} while it was "
                                      f"being fetched ({code or status})",
-                                     adapter_id=adapter_id, cause="object_changed")
+                                     adapter_id=adapter_id, cause=cause)
             if cause == "server":
                 return SourceUnavailable(f"the registry {where} failed ({code or status}) "
                                          f"after {self._settings.s3_max_attempts} attempts",
-                                         adapter_id=adapter_id, cause="server")
-            return SourceError(f"the registry {where} refused {operation} ({code or status}): "
-                               f"{exc}", adapter_id=adapter_id, cause="refused")
+                                         adapter_id=adapter_id, cause=cause)
+            refusals = {
+                "not_s3": f"the endpoint {self._endpoint()} answered 404 without an S3 error to "
+                          f"a {operation} of {where}: is it an S3 endpoint? Check "
+                          "--s3-endpoint-url",
+                "credentials_expired": f"the registry {where} says the credentials expired "
+                                       f"({code}): check this machine's clock (NTP) and that "
+                                       "the credential source renews short-lived credentials "
+                                       "(STS, IRSA)",
+                "clock": f"the registry {where} refused the request: this machine's clock "
+                         "differs too much from the registry's; check NTP",
+                "credentials": f"the registry {where} refused the credentials ({code}): check "
+                               "the AWS credential chain",
+                "permission": f"access denied to {where} ({code or status}): check the "
+                              "credentials' permissions on the bucket",
+                "bucket": f"the bucket {self.bucket!r} does not exist at {self._endpoint()}",
+                "refused": f"the registry {where} refused {operation} ({code or status}): {exc}",
+            }
+            return SourceError(refusals[cause], adapter_id=adapter_id, cause=cause)
         if isinstance(exc, bce.NoCredentialsError | bce.PartialCredentialsError):
             return SourceError("no usable AWS credentials: set AWS_ACCESS_KEY_ID and "
                                "AWS_SECRET_ACCESS_KEY, a profile, or an instance role",
