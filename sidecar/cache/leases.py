@@ -1,336 +1,168 @@
-"""The lease journal: `<cache_root>/.leases*`, so leases outlive the process that granted them.
-
-A lease protects an adapter folder that a reader (vLLM) may be loading. A sidecar restarted in
-the middle must not evict that folder, so every grant is appended to the journal and a restart
-reads the leases back. One line per event, text, append-only:
-
-    # lora-sidecar leases 1 boot=<kernel boot id>
-    G <digest> <adapter_id> <ttl_ms> <unix_ms> <monotonic_ms>   a grant (times in ms)
-    E <digest>                                                  a release (or broken lease)
-
-Three files, read in this order: `.leases.base` (the live leases at the last compaction),
-`.leases.compacting` (appends being merged into the base) and `.leases` (appends since).
-Compaction costs the event loop one rename: the appends so far become `.leases.compacting`,
-new ones start a fresh `.leases`, and a thread merges the base and the compacting file into a
-new base (live grants only, at most --max-leases of them) before deleting the compacting file.
-A crash at any point leaves files whose reading in that order gives the same leases.
-
-Durability is sized to what a lease protects. A grant is one `write()` before /stage answers:
-in the page cache it survives a crash or SIGKILL of the process, which is the restart that
-matters. It is not fsynced each time: a machine crash also ends the reader the lease was
-protecting. Releases are written in batches (with the next grant, or within a second): losing
-the last ones keeps an adapter protected until its lease expires, never less. Leases that end
-by expiry or by the --max-leases cap need no line: a restart works them out. The file is kept
-open only while leases are granted and closed after a second without a write, so an idle
-sidecar holds nothing open for writing on the volume (which can then be remounted read-only).
-
-Only a digest of each lease id is written: the id is the secret that lets a caller release
-its lease, and the cache volume is readable by the model server's container.
-
-Expiry uses the monotonic clock; the wall clock can step (NTP) while the process runs. A
-restart on the same boot measures the time a lease has aged with the monotonic clock too;
-after a reboot (another boot id) only the wall clock is comparable, and the remaining time is
-clamped between zero and the lease's own TTL, so a clock step can end a lease early but never
-extend one.
+"""Live leases: in expiry order, counted per adapter, with ids drawn from a pool, and every
+grant and release written to the lease journal when there is one.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
-import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+import math
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
-from ..fsutil import fsync_dir
-from ..ids import is_valid_adapter_id
+from ..errors import LeaseNotFound
 from ..logs import fields
+from ..metrics import Metrics
+from .lease_journal import JournalLease, LeaseJournal, lease_digest
 
 log = logging.getLogger(__name__)
 
-JOURNAL_NAME = ".leases"
-FORMAT_LINE = "# lora-sidecar leases 1"
-COMPACT_MIN_BYTES = 1024 * 1024
-COMPACT_FACTOR = 4  # compacted once appends exceed this many times the live leases' lines
-LINE_BYTES = 100  # about one grant line
-FLUSH_INTERVAL_S = 1.0  # the longest a release waits in memory
-IDLE_CLOSE_S = 1.0  # the descriptor is closed after this long without a write
-_BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
-_WARN_EVERY_S = 60.0
+EXPIRY_LOG_LINES = 20  # per sweep; a crashed router can leave thousands to expire at once
 
 
-def lease_digest(lease_id: str) -> str:
-    """What the journal keeps of a lease id: 128 bits of its SHA-256."""
-    return hashlib.sha256(lease_id.encode()).hexdigest()[:32]
-
-
-def read_boot_id() -> str:
-    try:
-        return _BOOT_ID_FILE.read_text().strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
-@dataclass(frozen=True, slots=True)
-class JournalLease:
-    """A live lease as read back from the journal."""
-
-    digest: str
+class Lease(NamedTuple):
+    lease_id: str
     adapter_id: str
-    remaining_s: float
+    expires_at: float  # on the store's monotonic clock: what expiry compares against
+    expires_at_unix: float  # the same moment on the wall clock, for callers to read
 
 
-@dataclass(frozen=True, slots=True)
-class _Grant:
-    adapter_id: str
-    ttl_s: float
-    unix_s: float
-    monotonic_s: float
-    boot_id: str  # of the process that wrote it
-    line: str
-
-
-class LeaseJournal:
-    """`load()` and `reset()` at start-up (blocking, from a thread); on the loop one `write()`
-    per grant and `begin_compaction()`; `merge()` from a thread."""
-
-    def __init__(
-        self,
-        path: Path,
-        *,
-        max_leases: int = 100_000,
-        wall: Callable[[], float] = time.time,
-        monotonic: Callable[[], float] = time.monotonic,
-        boot_id: str | None = None,
-    ) -> None:
-        self.path = path
-        self.base_path = path.with_name(f"{path.name}.base")
-        self.compacting_path = path.with_name(f"{path.name}.compacting")
-        self._max_leases = max_leases
-        self._wall = wall
+class LeaseTable:
+    def __init__(self, ttl_s: float, max_leases: int, metrics: Metrics,
+                 clock: Callable[[], float], monotonic: Callable[[], float]) -> None:
+        self.ttl_s = ttl_s
+        self.max_leases = max_leases
+        self._metrics = metrics
+        self._clock = clock
         self._monotonic = monotonic
-        self._boot_id = read_boot_id() if boot_id is None else boot_id
-        self._fd: int | None = None  # open for appending while grants come in
-        self._last_write = 0.0  # monotonic
-        self._pending: list[str] = []  # release lines not written yet
-        self._pending_since = 0.0
-        self._appended_bytes = 0
-        self._base_bytes = 0
-        self._merging = False
-        self._warned_at = -_WARN_EVERY_S
-        self.failed = False  # the last write failed; leases granted since may not survive
+        # lease key -> (adapter_id, expires_at on the monotonic clock, the id's digest in the
+        # journal), in expiry order. The key is the lease id, or "#" + its digest for a lease
+        # read back from the journal (only digests are written there; "#" never starts an id
+        # we hand out). Untracked tuples in an OrderedDict: benchmarks/README.md, "hit path".
+        self._leases: OrderedDict[str, tuple[str, float, str]] = OrderedDict()
+        self._counts: dict[str, int] = {}  # adapter_id -> live leases
+        self._random_pool: list[str] = []
+        self._cap_warned_at = -math.inf
+        self.journal: LeaseJournal | None = None  # set by the recovery, once it is read
 
-    # ---- start-up -------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._leases)
 
-    def load(self, max_ttl_s: float) -> list[JournalLease]:
-        """The leases still live in the journal left by the previous process, soonest to
-        expire first; torn or unknown lines are skipped."""
-        grants = self._replay(self.base_path, self.compacting_path, self.path)
-        now_unix, now_mono = self._wall(), self._monotonic()
-        live = []
-        for digest, grant in grants.items():
-            same_boot = grant.boot_id == self._boot_id and grant.boot_id not in ("", "unknown")
-            aged_s = now_mono - grant.monotonic_s if same_boot else now_unix - grant.unix_s
-            # A clock stepped back makes the age negative: never longer than the lease's TTL.
-            remaining_s = min(grant.ttl_s - max(aged_s, 0.0), grant.ttl_s, max_ttl_s)
-            if remaining_s > 0:
-                live.append(JournalLease(digest, grant.adapter_id, remaining_s))
-        live.sort(key=lambda lease: lease.remaining_s)
-        return live
+    def grant(self, adapter_id: str, now: float) -> Lease:
+        """A new lease on `adapter_id`; `now` on the wall clock."""
+        monotonic_now = self._monotonic()
+        expires_at = monotonic_now + self.ttl_s
+        lease = Lease(self._new_lease_id(), adapter_id, expires_at, now + self.ttl_s)
+        digest = lease_digest(lease.lease_id)
+        self._leases[lease.lease_id] = (adapter_id, expires_at, digest)
+        self._counts[adapter_id] = self._counts.get(adapter_id, 0) + 1
+        if self.journal is not None:
+            self.journal.granted(digest, adapter_id, self.ttl_s, now, monotonic_now)
+        if len(self._leases) > self.max_leases:
+            self._drop_oldest(monotonic_now)
+        return lease
 
-    def reset(self, live: Iterable[tuple[str, str, float]]) -> None:
-        """Start this process's journal from `live` (digest, adapter_id, remaining seconds):
-        one new base, the other files gone. Crash-safe: the base is replaced by a rename."""
-        now_unix, now_mono = self._wall(), self._monotonic()
-        lines = [_grant_line(digest, adapter_id, remaining_s, now_unix, now_mono)
-                 for digest, adapter_id, remaining_s in live if remaining_s > 0]
-        self._write_base(lines)
-        for stale in (self.compacting_path, self.path):
-            stale.unlink(missing_ok=True)
-        fsync_dir(self.path.parent)
-        self._appended_bytes = 0
-        self._merging = False
+    def _new_lease_id(self) -> str:
+        """128 random bits from the OS's CSPRNG, fetched 256 ids at a time (hit path)."""
+        if not self._random_pool:
+            pool = secrets.token_bytes(16 * 256)
+            self._random_pool = [pool[i:i + 16].hex() for i in range(0, len(pool), 16)]
+        return self._random_pool.pop()
 
-    # ---- the hit path ---------------------------------------------------------------------
+    def _drop_oldest(self, now: float) -> None:
+        """Past --max-leases someone is not releasing: the oldest lease ends early, so memory
+        stays bounded. A request still running after that many newer ones is not plausible."""
+        lease_id, (adapter_id, _, _) = next(iter(self._leases.items()))
+        self.end(lease_id, journal=False)  # a restart applies the same cap
+        self._metrics.leases_expired.inc()
+        if now - self._cap_warned_at >= 60:
+            self._cap_warned_at = now
+            log.warning("%d live leases: the oldest end early (adapter_id=%s); callers are "
+                        "not releasing their leases (POST /release)", self.max_leases,
+                        adapter_id, extra=fields(event="lease_cap", count=self.max_leases))
 
-    def granted(self, digest: str, adapter_id: str, ttl_s: float, unix_s: float,
-                monotonic_s: float) -> None:
-        line = _grant_line(digest, adapter_id, ttl_s, unix_s, monotonic_s)
-        if self._pending:
-            line = "".join(self._pending) + line
-            self._pending.clear()
-        self._append(line)
+    def release(self, lease_id: str) -> Lease:
+        key = lease_id
+        if key not in self._leases and not key.startswith("#"):
+            key = "#" + lease_digest(lease_id)  # granted before a restart
+        if key not in self._leases:
+            raise LeaseNotFound(f"no live lease {lease_id[:80]!r} (released or expired "
+                                "already)")
+        return self.end(key)._replace(lease_id=lease_id)
 
-    def ended(self, digest: str) -> None:
-        if not self._pending:
-            self._pending_since = self._monotonic()
-        self._pending.append(f"E {digest}\n")
+    def expire(self) -> list[Lease]:
+        """Drop leases past their expiry. Every lease gets the same TTL (leases read back from
+        the journal expire sooner), so `_leases`, in insertion order, is in expiry order: the
+        sweep stops at the first live one."""
+        now = self._monotonic()
+        ended = []
+        for lease_id, (_, expires_at, _) in self._leases.items():
+            if expires_at > now:
+                break
+            ended.append(lease_id)
+        # Expiry needs no journal line: a restart works it out from the grant's time.
+        expired = [self.end(lease_id, journal=False) for lease_id in ended]
+        if expired:
+            self._metrics.leases_expired.inc(len(expired))
+        for lease in expired[:EXPIRY_LOG_LINES]:
+            log.info("lease expired lease_id=%s adapter_id=%s", lease.lease_id, lease.adapter_id,
+                     extra=fields(event="lease_expired", adapter_id=lease.adapter_id,
+                                  lease_id=lease.lease_id))
+        if len(expired) > EXPIRY_LOG_LINES:
+            log.info("%d more leases expired on %d adapters", len(expired) - EXPIRY_LOG_LINES,
+                     len({lease.adapter_id for lease in expired[EXPIRY_LOG_LINES:]}),
+                     extra=fields(event="lease_expired",
+                                  count=len(expired) - EXPIRY_LOG_LINES))
+        return expired
 
-    def flush_due(self) -> bool:
-        return bool(self._pending) and (
-            self._monotonic() - self._pending_since >= FLUSH_INTERVAL_S)
+    def next_expiry(self) -> float | None:
+        """On the monotonic clock."""
+        first = next(iter(self._leases.values()), None)
+        return None if first is None else first[1]
 
-    def flush(self) -> None:
-        if self._pending:
-            lines = "".join(self._pending)
-            self._pending.clear()
-            self._append(lines)
+    def count_of(self, adapter_id: str) -> int:
+        return self._counts.get(adapter_id, 0)
 
-    def _append(self, text: str) -> None:
-        data = text.encode()
-        try:
-            if self._fd is None:
-                self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND
-                                   | os.O_CLOEXEC, 0o600)
-                if os.fstat(self._fd).st_size == 0:
-                    data = f"{FORMAT_LINE} boot={self._boot_id}\n".encode() + data
-            _write_all(self._fd, data)
-        except OSError as exc:
-            self.failed = True
-            now = self._monotonic()
-            if now - self._warned_at >= _WARN_EVERY_S:
-                self._warned_at = now
-                log.warning("cannot write the lease journal %s (%s): leases granted now would "
-                            "not survive a restart of the sidecar", self.path,
-                            exc.strerror or exc, extra=fields(event="lease_journal_error"))
-            return
-        self.failed = False
-        self._last_write = self._monotonic()
-        self._appended_bytes += len(data)
+    def holds(self, adapter_id: str) -> bool:
+        return adapter_id in self._counts
 
-    def close_if_idle(self) -> None:
-        if self._fd is not None and self._monotonic() - self._last_write >= IDLE_CLOSE_S:
-            self._close()
+    def ids_of(self, adapter_id: str) -> list[str]:
+        """A scan: only forced and external evictions need the ids, and they are rare."""
+        if adapter_id not in self._counts:
+            return []
+        return sorted(i for i, (held, _, _) in self._leases.items() if held == adapter_id)
 
-    def _close(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
+    def end(self, lease_id: str, *, journal: bool = True) -> Lease:
+        adapter_id, expires_at, digest = self._leases.pop(lease_id)
+        left = self._counts[adapter_id] - 1
+        if left:
+            self._counts[adapter_id] = left
+        else:
+            del self._counts[adapter_id]
+        if journal and self.journal is not None:
+            self.journal.ended(digest)
+        expires_in_s = expires_at - self._monotonic()
+        return Lease(lease_id, adapter_id, expires_at, self._clock() + expires_in_s)
 
-    # ---- compaction -----------------------------------------------------------------------
-
-    def compaction_due(self, live_leases: int) -> bool:
-        live_bytes = max(self._base_bytes, live_leases * LINE_BYTES)
-        return not self._merging and self._appended_bytes > max(
-            COMPACT_MIN_BYTES, COMPACT_FACTOR * live_bytes)
-
-    def begin_compaction(self) -> bool:
-        """On the loop, between two appends: the appends so far become the compacting file
-        and later ones go to a fresh file. True when `merge()` should run next."""
-        if self._merging:
-            return False
-        self.flush()
-        self._close()
-        self._appended_bytes = 0  # on failure too: tried again after as many appends
-        try:
-            if not self.compacting_path.exists():  # else a merge that failed: retried
-                os.rename(self.path, self.compacting_path)
-        except OSError as exc:
-            log.warning("cannot compact the lease journal %s: %s", self.path,
-                        exc.strerror or exc)
-            return False
-        self._merging = True
-        return True
-
-    def merge(self) -> None:
-        """From a thread: the base and the compacting file into a new base holding the live
-        grants only; then the compacting file goes. Failures are logged and retried later."""
-        try:
-            grants = self._replay(self.base_path, self.compacting_path)
-            now_mono = self._monotonic()
-            # Every grant here was written by this process (the start-up rewrote the others):
-            # its age is on this process's monotonic clock.
-            self._write_base([grant.line for grant in grants.values()
-                              if grant.ttl_s - (now_mono - grant.monotonic_s) > 0])
-            self.compacting_path.unlink()
-            fsync_dir(self.path.parent)
-        except OSError as exc:
-            log.warning("cannot compact the lease journal %s: %s", self.path,
-                        exc.strerror or exc)
-        finally:
-            self._merging = False
-
-    # ---- shutdown ----------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """At shutdown (blocking): what is pending written, then the file synced and closed."""
-        self.flush()
-        fd = self._fd
-        if fd is not None:
-            try:
-                os.fsync(fd)
-            except OSError as exc:
-                log.warning("cannot fsync the lease journal %s: %s", self.path,
-                            exc.strerror or exc)
-        self._close()
-
-    # ---- files -------------------------------------------------------------------------------
-
-    def _replay(self, *paths: Path) -> dict[str, _Grant]:
-        """Live grants after reading the files in order, oldest first, at most --max-leases
-        (the newest: the cap ends the oldest, as it did in the process that granted them)."""
-        grants: dict[str, _Grant] = {}
-        for path in paths:
-            for digest, grant in _read_lines(path):
-                grants.pop(digest, None)  # ended, or a duplicate that moves to the end
-                if grant is not None:
-                    grants[digest] = grant
-                    if len(grants) > self._max_leases:
-                        del grants[next(iter(grants))]
-        return grants
-
-    def _write_base(self, lines: list[str]) -> None:
-        data = "".join([f"{FORMAT_LINE} boot={self._boot_id}\n", *lines]).encode()
-        temp = self.base_path.with_name(f"{self.base_path.name}.new")
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            _write_all(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temp, self.base_path)
-        self._base_bytes = len(data)
-
-
-def _read_lines(path: Path) -> Iterator[tuple[str, _Grant | None]]:
-    """(digest, the grant or None for a release) per well-formed line of one journal file; a
-    line torn by a crash (no newline) and anything unknown are skipped."""
-    try:
-        f = open(path, encoding="utf-8", errors="replace", newline="\n")
-    except FileNotFoundError:
-        return
-    with f:
-        boot_id = ""
-        for line in f:
-            if not line.endswith("\n"):
-                return
-            if line.startswith(FORMAT_LINE):
-                boot_id = line.partition("boot=")[2].strip()
+    def restore(self, leases: Iterable[JournalLease]) -> int:
+        """Take back leases a previous process granted (soonest to expire first). Returns how
+        many were restored."""
+        now = self._monotonic()
+        restored = 0
+        for lease in sorted(leases, key=lambda lease: lease.remaining_s):
+            key = "#" + lease.digest
+            if key in self._leases:
                 continue
-            parts = line[:-1].split(" ")
-            if parts[0] == "E" and len(parts) == 2:
-                yield parts[1], None
-            elif parts[0] == "G" and len(parts) == 6 and is_valid_adapter_id(parts[2]):
-                try:
-                    ttl_ms, unix_ms, mono_ms = int(parts[3]), int(parts[4]), int(parts[5])
-                except ValueError:
-                    continue
-                yield parts[1], _Grant(parts[2], ttl_ms / 1000, unix_ms / 1000, mono_ms / 1000,
-                                       boot_id, line)
+            # Never beyond the TTL of leases granted from now on: the expiry order holds.
+            remaining_s = min(lease.remaining_s, self.ttl_s)
+            self._leases[key] = (lease.adapter_id, now + remaining_s, lease.digest)
+            self._counts[lease.adapter_id] = self._counts.get(lease.adapter_id, 0) + 1
+            restored += 1
+        return restored
 
-
-def _grant_line(digest: str, adapter_id: str, ttl_s: float, unix_s: float,
-                monotonic_s: float) -> str:
-    # Whole milliseconds: formatting floats was a measurable share of a grant's cost.
-    return (f"G {digest} {adapter_id} {int(ttl_s * 1000)} {int(unix_s * 1000)} "
-            f"{int(monotonic_s * 1000)}\n")
-
-
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+    def live(self) -> list[tuple[str, str, float]]:
+        """(digest, adapter_id, remaining seconds) of every live lease, for the journal."""
+        now = self._monotonic()
+        return [(digest, adapter_id, expires_at - now)
+                for adapter_id, expires_at, digest in self._leases.values()]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..logs import fields
 from ..validation.validate import Rules, validate_adapter
-from .leases import JournalLease, LeaseJournal
+from .lease_journal import JournalLease, LeaseJournal
 from .records import CHECK_VALUES, AdapterRecord, add_verified
 from .store import AdapterStore
 

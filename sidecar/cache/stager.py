@@ -37,6 +37,7 @@ from ..validation.validate import (
     validate_adapter,
 )
 from ..validation.values import ValueReport, ValueScan, finish_scan
+from .leases import Lease
 from .lru import CachedAdapter
 from .records import (
     CHECK_REGISTRY,
@@ -48,7 +49,7 @@ from .records import (
     FileRecord,
     write_record,
 )
-from .store import AdapterStore, Lease
+from .store import AdapterStore
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The disk cache: index of published adapters, LRU order, leases, budget, publish and evict.
+"""The disk cache: index of published adapters, pins and claims, budget, publish and evict.
 
 State changes happen only on the event loop and only together with the one `rename()` that
 makes them true on disk, so the index and the folder under `adapters/` never disagree.
@@ -7,25 +7,23 @@ makes them true on disk, so the index and the folder under `adapters/` never dis
 from __future__ import annotations
 
 import logging
-import math
 import os
 import secrets
 import shutil
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import Enum
 from pathlib import Path
-from typing import NamedTuple
 
 from ..config import format_size
-from ..errors import AdapterInUse, CacheFull, LeaseNotFound, NotCached
+from ..errors import AdapterInUse, CacheFull, NotCached
 from ..fsutil import remove_tree
 from ..logs import fields
 from ..metrics import Metrics
-from .leases import JOURNAL_NAME, JournalLease, LeaseJournal, lease_digest
+from .lease_journal import JOURNAL_NAME, JournalLease, LeaseJournal
+from .leases import Lease, LeaseTable
 from .lru import CachedAdapter, LruIndex, eviction_order
 from .records import (
     RECORD_NAME,
@@ -37,7 +35,6 @@ from .records import (
 
 log = logging.getLogger(__name__)
 
-EXPIRY_LOG_LINES = 20  # per sweep; a crashed router can leave thousands to expire at once
 
 
 class EvictReason(Enum):
@@ -45,13 +42,6 @@ class EvictReason(Enum):
     MANUAL = "manual"
     FORCED = "forced"
     EXTERNAL = "external"
-
-
-class Lease(NamedTuple):
-    lease_id: str
-    adapter_id: str
-    expires_at: float  # on the store's monotonic clock: what expiry compares against
-    expires_at_unix: float  # the same moment on the wall clock, for callers to read
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,15 +97,7 @@ class AdapterStore:
         self._clock = clock  # the wall clock: staged_at, last_used, what callers read
         self._monotonic = monotonic  # lease expiry: immune to the wall clock being stepped
         self._index = LruIndex()
-        # lease key -> (adapter_id, expires_at on the monotonic clock, the id's digest in the
-        # journal), in expiry order. The key is the lease id, or "#" + its digest for a lease
-        # read back from the journal (only digests are written there; "#" never starts an id
-        # we hand out). Untracked tuples in an OrderedDict: benchmarks/README.md, "hit path".
-        self._leases: OrderedDict[str, tuple[str, float, str]] = OrderedDict()
-        self._lease_counts: dict[str, int] = {}  # adapter_id -> live leases
-        self.max_leases = max_leases
-        self._random_pool: list[str] = []
-        self._lease_cap_warned_at = -math.inf
+        self._leases = LeaseTable(lease_ttl_s, max_leases, metrics, clock, monotonic)
         self._claims: dict[str, int] = {}  # callers waiting to lease an adapter being staged
         self._reservations: list[Reservation] = []
         self._pins: set[str] = set()
@@ -126,7 +108,6 @@ class AdapterStore:
         self.after_forget: Callable[[str], None] = lambda adapter_id: None
         # The process's: delete what take_trash returns, off the loop (after trim evicted).
         self.on_trash: Callable[[], None] = lambda: None
-        self.journal: LeaseJournal | None = None  # set by the recovery, once it is read
 
     @property
     def journal_path(self) -> Path:
@@ -235,38 +216,10 @@ class AdapterStore:
         """Touch and lease a cached adapter (KeyError if it is not cached). The grant is in
         the journal before this returns, so it outlives a crash of the process."""
         adapter = self._index[adapter_id]
-        now, monotonic_now = self._clock(), self._monotonic()
-        expires_at = monotonic_now + self.lease_ttl_s
+        now = self._clock()
         adapter.last_used = now
         self._index.touch(adapter_id)
-        lease = Lease(self._new_lease_id(), adapter_id, expires_at, now + self.lease_ttl_s)
-        digest = lease_digest(lease.lease_id)
-        self._leases[lease.lease_id] = (adapter_id, expires_at, digest)
-        self._lease_counts[adapter_id] = self._lease_counts.get(adapter_id, 0) + 1
-        if self.journal is not None:
-            self.journal.granted(digest, adapter_id, self.lease_ttl_s, now, monotonic_now)
-        if len(self._leases) > self.max_leases:
-            self._drop_oldest_lease(monotonic_now)
-        return lease
-
-    def _new_lease_id(self) -> str:
-        """128 random bits from the OS's CSPRNG, fetched 256 ids at a time (hit path)."""
-        if not self._random_pool:
-            pool = secrets.token_bytes(16 * 256)
-            self._random_pool = [pool[i:i + 16].hex() for i in range(0, len(pool), 16)]
-        return self._random_pool.pop()
-
-    def _drop_oldest_lease(self, now: float) -> None:
-        """Past --max-leases someone is not releasing: the oldest lease ends early, so memory
-        stays bounded. A request still running after that many newer ones is not plausible."""
-        lease_id, (adapter_id, _, _) = next(iter(self._leases.items()))
-        self._end_lease(lease_id, journal=False)  # a restart applies the same cap
-        self._metrics.leases_expired.inc()
-        if now - self._lease_cap_warned_at >= 60:
-            self._lease_cap_warned_at = now
-            log.warning("%d live leases: the oldest end early (adapter_id=%s); callers are "
-                        "not releasing their leases (POST /release)", self.max_leases,
-                        adapter_id, extra=fields(event="lease_cap", count=self.max_leases))
+        return self._leases.grant(adapter_id, now)
 
     def touch(self, adapter_id: str) -> None:
         adapter = self._index[adapter_id]
@@ -274,86 +227,27 @@ class AdapterStore:
         self._index.touch(adapter_id)
 
     def release(self, lease_id: str) -> Lease:
-        key = lease_id
-        if key not in self._leases and not key.startswith("#"):
-            key = "#" + lease_digest(lease_id)  # granted before a restart
-        if key not in self._leases:
-            raise LeaseNotFound(f"no live lease {lease_id[:80]!r} (released or expired "
-                                "already)")
-        return self._end_lease(key)._replace(lease_id=lease_id)
+        return self._leases.release(lease_id)
 
     def expire_leases(self) -> list[Lease]:
-        """Drop leases past their expiry. Every lease gets the same TTL (leases read back from
-        the journal expire sooner), so `_leases`, in insertion order, is in expiry order: the
-        sweep stops at the first live one."""
-        now = self._monotonic()
-        ended = []
-        for lease_id, (_, expires_at, _) in self._leases.items():
-            if expires_at > now:
-                break
-            ended.append(lease_id)
-        # Expiry needs no journal line: a restart works it out from the grant's time.
-        expired = [self._end_lease(lease_id, journal=False) for lease_id in ended]
-        if expired:
-            self._metrics.leases_expired.inc(len(expired))
-        for lease in expired[:EXPIRY_LOG_LINES]:
-            log.info("lease expired lease_id=%s adapter_id=%s", lease.lease_id, lease.adapter_id,
-                     extra=fields(event="lease_expired", adapter_id=lease.adapter_id,
-                                  lease_id=lease.lease_id))
-        if len(expired) > EXPIRY_LOG_LINES:
-            log.info("%d more leases expired on %d adapters", len(expired) - EXPIRY_LOG_LINES,
-                     len({lease.adapter_id for lease in expired[EXPIRY_LOG_LINES:]}),
-                     extra=fields(event="lease_expired",
-                                  count=len(expired) - EXPIRY_LOG_LINES))
-        return expired
+        return self._leases.expire()
 
     def next_lease_expiry(self) -> float | None:
         """On the store's monotonic clock."""
-        first = next(iter(self._leases.values()), None)
-        return None if first is None else first[1]
+        return self._leases.next_expiry()
 
     def seconds_to_next_expiry(self) -> float | None:
-        first = self.next_lease_expiry()
+        first = self._leases.next_expiry()
         return None if first is None else first - self._monotonic()
 
     def lease_count(self, adapter_id: str) -> int:
-        return self._lease_counts.get(adapter_id, 0)
-
-    def _lease_ids_of(self, adapter_id: str) -> list[str]:
-        """A scan: only forced and external evictions need the ids, and they are rare."""
-        if adapter_id not in self._lease_counts:
-            return []
-        return sorted(i for i, (held, _, _) in self._leases.items() if held == adapter_id)
-
-    def _end_lease(self, lease_id: str, *, journal: bool = True) -> Lease:
-        adapter_id, expires_at, digest = self._leases.pop(lease_id)
-        left = self._lease_counts[adapter_id] - 1
-        if left:
-            self._lease_counts[adapter_id] = left
-        else:
-            del self._lease_counts[adapter_id]
-        if journal and self.journal is not None:
-            self.journal.ended(digest)
-        expires_in_s = expires_at - self._monotonic()
-        return Lease(lease_id, adapter_id, expires_at, self._clock() + expires_in_s)
-
-    # ---- the lease journal ----------------------------------------------------------------
+        return self._leases.count_of(adapter_id)
 
     def restore_leases(self, leases: Iterable[JournalLease]) -> int:
-        """Take back the leases a previous process granted (soonest to expire first), for
-        adapters still in the index; before any trim. Returns how many were restored."""
-        now = self._monotonic()
-        restored = 0
-        for lease in sorted(leases, key=lambda lease: lease.remaining_s):
-            key = "#" + lease.digest
-            if lease.adapter_id not in self._index or key in self._leases:
-                continue
-            # Never beyond the TTL of leases granted from now on: the expiry order holds.
-            remaining_s = min(lease.remaining_s, self.lease_ttl_s)
-            self._leases[key] = (lease.adapter_id, now + remaining_s, lease.digest)
-            self._lease_counts[lease.adapter_id] = self._lease_counts.get(lease.adapter_id, 0) + 1
-            restored += 1
-        return restored
+        """Take back the leases a previous process granted, for adapters still in the index;
+        before any trim. Returns how many were restored."""
+        return self._leases.restore(
+            lease for lease in leases if lease.adapter_id in self._index)
 
     @property
     def live_lease_count(self) -> int:
@@ -361,9 +255,23 @@ class AdapterStore:
 
     def live_leases(self) -> list[tuple[str, str, float]]:
         """(digest, adapter_id, remaining seconds) of every live lease, for the journal."""
-        now = self._monotonic()
-        return [(digest, adapter_id, expires_at - now)
-                for adapter_id, expires_at, digest in self._leases.values()]
+        return self._leases.live()
+
+    @property
+    def max_leases(self) -> int:
+        return self._leases.max_leases
+
+    @max_leases.setter
+    def max_leases(self, value: int) -> None:
+        self._leases.max_leases = value
+
+    @property
+    def journal(self) -> LeaseJournal | None:
+        return self._leases.journal
+
+    @journal.setter
+    def journal(self, journal: LeaseJournal | None) -> None:
+        self._leases.journal = journal
 
     # ---- claims: a caller that will lease an adapter once its stage finishes ------------
 
@@ -381,7 +289,7 @@ class AdapterStore:
         """Never evicted to make room: pinned, leased, or about to be leased."""
         return (
             adapter_id in self._pins
-            or adapter_id in self._lease_counts
+            or self._leases.holds(adapter_id)
             or adapter_id in self._claims
         )
 
@@ -516,7 +424,7 @@ class AdapterStore:
         """Operator eviction: refused while pinned or leased unless forced."""
         if adapter_id not in self._index:
             raise NotCached(f"adapter {adapter_id} is not in the cache", adapter_id=adapter_id)
-        leases = self._lease_ids_of(adapter_id)
+        leases = self._leases.ids_of(adapter_id)
         pinned = adapter_id in self._pins
         if (leases or pinned or adapter_id in self._claims) and not force:
             why = []
@@ -531,7 +439,7 @@ class AdapterStore:
                 adapter_id=adapter_id, pinned=pinned, lease_ids=leases,
             )
         for lease_id in leases:
-            self._end_lease(lease_id)
+            self._leases.end(lease_id)
         if force and pinned:
             self.unpin(adapter_id)
         reason = EvictReason.FORCED if (leases or pinned) else EvictReason.MANUAL
@@ -543,8 +451,8 @@ class AdapterStore:
         adapter = self._index.pop(adapter_id, None)
         if adapter is None:
             return None
-        for lease_id in self._lease_ids_of(adapter_id):
-            self._end_lease(lease_id)
+        for lease_id in self._leases.ids_of(adapter_id):
+            self._leases.end(lease_id)
         self._count_eviction(adapter, EvictReason.EXTERNAL)
         self.after_forget(adapter_id)
         return adapter
