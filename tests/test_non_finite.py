@@ -20,7 +20,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from sidecar.cache.records import CHECK_VALUES
+from sidecar.cache.records import Check
 from sidecar.examples import tensor_name, write_adapter
 from sidecar.registry.checksum import crc32_hex
 from sidecar.registry.transfer import TransferPolicy, part_starts
@@ -36,6 +36,7 @@ from tests.conftest import (
 from tests.observing import eventually, scrape
 from tests.processes import SidecarProcess, stage_blocking
 
+CHECK_VALUES = Check.VALUES  # what a record lists once every tensor value was read
 WEIGHTS = "adapter_model.safetensors"
 PART_BYTES = 5 * 1024**2
 # About 20 MB of float32 weights: four ranged parts of 5 MiB.

@@ -10,6 +10,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +48,11 @@ class RecordStale(ValueError):
 
 
 # What a record's `verified` may list: checks the bytes passed before publication.
-CHECK_REGISTRY = "registry_checksum"  # the registry's full-object CRC-32 or SHA-256
-CHECK_SHA256SUMS = "sha256sums"  # the adapter's own SHA256SUMS file
-CHECK_RULES = "validation"  # the validation rules of the sidecar that published it
-CHECK_VALUES = "finite_values"  # every tensor value read and found finite
+class Check(StrEnum):
+    REGISTRY = "registry_checksum"  # the registry's full-object CRC-32 or SHA-256
+    SHA256SUMS = "sha256sums"  # the adapter's own SHA256SUMS file
+    RULES = "validation"  # the validation rules of the sidecar that published it
+    VALUES = "finite_values"  # every tensor value read and found finite
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +63,7 @@ class AdapterRecord:
     source: str
     staged_at: float
     files: Mapping[str, FileRecord]
-    # What the bytes passed before publication (the CHECK_* names), trusted by a restart while
+    # What the bytes passed before publication (Check values), trusted by a restart while
     # every file keeps its recorded size and modification time: nothing is re-hashed.
     verified: tuple[str, ...] = ()
     size_bytes: int = field(init=False, compare=False)  # summed once: read on every hit

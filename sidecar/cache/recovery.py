@@ -13,7 +13,7 @@ from pathlib import Path
 from ..logs import fields
 from ..validation.validate import Rules, validate_adapter
 from .lease_journal import JournalLease, LeaseJournal
-from .records import CHECK_VALUES, AdapterRecord, add_verified
+from .records import AdapterRecord, Check, add_verified
 from .store import AdapterStore
 
 log = logging.getLogger(__name__)
@@ -53,12 +53,12 @@ async def recover(
         # The rules may have changed since publication: re-checked from the config and
         # the safetensors header. The bytes are vouched for by the record (no hashing);
         # their values are read once for a record of a version that did not check them.
-        scan = CHECK_VALUES not in record.verified
+        scan = Check.VALUES not in record.verified
         problems = [f"{p.code} {p.file}: {p.message}"
                     for p in validate_adapter(folder, rules, checksums=False,
                                               scan_values=scan)]
         if scan and not problems:
-            add_verified(folder, record, CHECK_VALUES)
+            add_verified(folder, record, Check.VALUES)
         return problems
 
     records, quarantined = [], 0

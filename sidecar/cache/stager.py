@@ -39,16 +39,7 @@ from ..validation.validate import (
 from ..validation.values import ValueReport, ValueScan, finish_scan
 from .leases import Lease
 from .lru import CachedAdapter
-from .records import (
-    CHECK_REGISTRY,
-    CHECK_RULES,
-    CHECK_SHA256SUMS,
-    CHECK_VALUES,
-    RECORD_NAME,
-    AdapterRecord,
-    FileRecord,
-    write_record,
-)
+from .records import RECORD_NAME, AdapterRecord, Check, FileRecord, write_record
 from .store import AdapterStore
 
 log = logging.getLogger(__name__)
@@ -441,11 +432,11 @@ def _remove_all(folders: list[Path]) -> None:
 
 
 def _checks_passed(listing: Listing, fetched: list[FetchedFile]) -> tuple[str, ...]:
-    checks = [CHECK_RULES, CHECK_VALUES]
+    checks = [Check.RULES, Check.VALUES]
     if any(got.registry_crc32 or got.registry_sha256 for got in fetched):
-        checks.append(CHECK_REGISTRY)
+        checks.append(Check.REGISTRY)
     if any(f.name == CHECKSUMS_FILE for f in listing.files):
-        checks.append(CHECK_SHA256SUMS)
+        checks.append(Check.SHA256SUMS)
     return tuple(checks)
 
 

@@ -36,14 +36,6 @@ from .records import (
 log = logging.getLogger(__name__)
 
 
-
-class EvictReason(Enum):
-    LRU = "lru"
-    MANUAL = "manual"
-    FORCED = "forced"
-    EXTERNAL = "external"
-
-
 @dataclass(frozen=True, slots=True)
 class Eviction:
     adapter_id: str
@@ -68,6 +60,13 @@ class CacheSnapshot:
     capacity_adapters: int
     pinned_adapters: int
     active_leases: int
+
+
+class EvictReason(Enum):
+    LRU = "lru"
+    MANUAL = "manual"
+    FORCED = "forced"
+    EXTERNAL = "external"
 
 
 class AdapterStore:

@@ -36,15 +36,7 @@ from ..metrics import Metrics
 from ..validation.validate import CHECKSUMS_FILE, WEIGHTS_FILE, Problem, Rules, validate_adapter
 from ..validation.values import ValueReport, ValueScan
 from .lru import CachedAdapter
-from .records import (
-    CHECK_RULES,
-    CHECK_SHA256SUMS,
-    CHECK_VALUES,
-    RECORD_NAME,
-    AdapterRecord,
-    FileRecord,
-    write_record,
-)
+from .records import RECORD_NAME, AdapterRecord, Check, FileRecord, write_record
 from .store import AdapterStore
 
 log = logging.getLogger(__name__)
@@ -280,8 +272,8 @@ class Watcher:
                 self._quarantine(adapter_id, folder, before, f"not valid: {reason}",
                                  inspection.problems)
                 return
-            checks = (CHECK_RULES, CHECK_VALUES, CHECK_SHA256SUMS) if (
-                CHECKSUMS_FILE in inspection.files) else (CHECK_RULES, CHECK_VALUES)
+            checks = (Check.RULES, Check.VALUES, Check.SHA256SUMS) if (
+                CHECKSUMS_FILE in inspection.files) else (Check.RULES, Check.VALUES)
             record = AdapterRecord(adapter_id, ADOPTED_SOURCE, time.time(), inspection.files,
                                    checks)
             try:
