@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.examples import write_adapter
-from sidecar.shapes import ATTENTION_MODULES, LLAMA_3_8B, MLP_MODULES
+from sidecar.validation.shapes import ATTENTION_MODULES, LLAMA_3_8B, MLP_MODULES
 
 BUCKET = "lsbench"
 PREFIX = "adapters"

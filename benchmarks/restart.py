@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sidecar.examples import write_adapter
-from sidecar.shapes import ModelShapes
+from sidecar.validation.shapes import ModelShapes
 
 REPO = Path(__file__).resolve().parent.parent
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

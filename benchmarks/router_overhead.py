@@ -28,7 +28,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from sidecar.examples import write_adapter
-from sidecar.shapes import TINY_LLAMA
+from sidecar.validation.shapes import TINY_LLAMA
 from tests.triton.harness import (
     REPO_ROOT,
     ROUTER,

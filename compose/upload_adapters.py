@@ -20,9 +20,10 @@ import botocore.session
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from sidecar.config import Settings, is_valid_adapter_id
+from sidecar.config import Settings
 from sidecar.errors import ConfigError
-from sidecar.validate import Rules, summarize, validate_adapter
+from sidecar.ids import is_valid_adapter_id
+from sidecar.validation.validate import Rules, summarize, validate_adapter
 
 # put_object is one request; larger files would need a multipart upload, which no adapter needs.
 MAX_FILE_BYTES = 5 * 1024**3

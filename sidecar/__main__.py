@@ -17,11 +17,7 @@ from .config import (
     option_for,
 )
 from .errors import CacheOwned, ConfigError
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-DEFAULT_URL = "http://127.0.0.1:8500"
+from .exits import EXIT_CACHE_OWNED, EXIT_FAILED, EXIT_USAGE
 
 
 def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -39,7 +35,8 @@ passes): an S3 registry that does not answer, refuses the credentials or lacks t
 cache root that is not writable. When the registry does not answer within
 {REGISTRY_START_CHECK_S:g} s at start, the pins are checked when it does: one it then reports
 missing keeps /readyz at 503 naming it.
-Exit code 1: the sidecar could not bind its port or failed while running; 0 on SIGTERM/SIGINT."""
+Exit code 1: the sidecar could not bind its port or failed while running; 0 on SIGTERM/SIGINT
+(a second SIGTERM/SIGINT while stopping exits at once, with code 1)."""
     parser = subparsers.add_parser(
         "serve",
         help="run the sidecar daemon",
@@ -124,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
         # The cache's lock first, before the daemon's imports: a second `serve` on an owned
         # cache exits at once, and nothing of the cache is touched before the lock is held.
-        from .ownership import EXIT_CACHE_OWNED, CacheLock
+        from .cache.ownership import CacheLock
 
         lock = CacheLock(settings.cache_root)
         try:

@@ -5,6 +5,7 @@ them down in order (HTTP first, storage client last).
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import os
@@ -16,31 +17,33 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from .api import READ_ONLY_ROUTES, Services, build_web_app
-from .catalog import Catalog
+from .cache.ownership import CacheLock
+from .cache.recovery import recover
+from .cache.stager import Stager
+from .cache.store import AdapterStore
+from .cache.upkeep import stage_pin, sweep_leases
+from .cache.watcher import Watcher
+from .catalog.catalog import Catalog
+from .catalog.registry_view import RegistryView
+from .catalog.seed import REPOSITORY_DIR, seed_model_repository
 from .config import Settings, is_loopback
-from .epp import AdapterSet, EppExporter
 from .errors import CacheOwned, ConfigError, SidecarError, SourceUnavailable
-from .leases import JournalLease, LeaseJournal
-from .localsource import LocalSource
+from .exits import EXIT_CACHE_OWNED, EXIT_FAILED, EXIT_OK
+from .fsutil import remove_tree
 from .logs import configure_logging, fields
 from .metrics import Metrics
-from .ownership import EXIT_CACHE_OWNED, CacheLock
 from .preflight import configuration_problems
-from .registry_view import RegistryView
-from .seed import REPOSITORY_DIR, seed_model_repository
-from .source import AdapterSource, S3Source
-from .stager import Stager
-from .store import CHECK_VALUES, AdapterRecord, AdapterStore, add_verified, remove_tree
-from .transfer import TransferPolicy, transfer_executor
-from .validate import Rules, validate_adapter
-from .watcher import Watcher
+from .registry.base import AdapterSource
+from .registry.kinds import open_source
+from .registry.transfer import TransferPolicy, transfer_executor
+from .validation.validate import Rules
+from .web.api import READ_ONLY_ROUTES, Services, build_web_app
+from .web.epp import AdapterSet, EppExporter
 
 log = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 2.0
 REGISTRY_PROBE_OK_S = 15.0
-PIN_RETRY_S = (1.0, 30.0)  # first and largest delay between attempts to stage a pin
 SHUTDOWN_GRACE_S = 10.0
 
 
@@ -85,7 +88,6 @@ class Sidecar:
             max_leases=settings.max_leases,
             metrics=self.metrics,
         )
-        self.metrics.watch_store(self.store)
         policy = TransferPolicy(
             part_size_bytes=settings.part_size_bytes,
             attempts=settings.s3_max_attempts,
@@ -95,12 +97,8 @@ class Sidecar:
         )
         self._transfer_executor = policy.executor
         self.source: AdapterSource
-        if settings.is_s3:
-            self.source = S3Source(settings, policy, self._count_registry_error,
-                                   self.metrics.registry_skipped_folders.set)
-        else:
-            self.source = LocalSource(Path(settings.registry).expanduser().absolute(), policy,
-                                      self.metrics.registry_skipped_folders.set)
+        self.source = open_source(settings, policy, self._count_registry_error,
+                                  self.metrics.registry_skipped_folders.set)
         self.stager = Stager(
             self.store,
             self.source,
@@ -108,16 +106,17 @@ class Sidecar:
             self.metrics,
             refusal_ttl_s=settings.refusal_ttl_s,
             not_found_ttl_s=settings.not_found_ttl_s,
-            on_trash=self.purge_trash,
             on_source_result=self._note_source_result,
         )
+        self.metrics.watch(self.store, self.stager)
         self.catalog = Catalog(settings, self.store, self.rules, self.metrics)
         self.store.before_evict = self.catalog.names.before_evict
         self.store.after_forget = self.catalog.names.after_forget
         self.registry_view = RegistryView(
             self.source, settings.catalog_refresh_s,
             lambda: (adapter.adapter_id for adapter in self.store.adapters()))
-        self.watcher = Watcher(self.store, self.rules, self.metrics, on_trash=self.purge_trash)
+        self.watcher = Watcher(self.store, self.rules, self.metrics)
+        self.store.on_trash = self.purge_trash
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
@@ -171,8 +170,7 @@ class Sidecar:
             await asyncio.shield(recovery)
 
     async def _listen(self) -> None:
-        if isinstance(self.source, S3Source):
-            await self.source.open()
+        await self.source.open()
         # Settings that parse but cannot work stop the start (sidecar/preflight.py says which
         # problems stop it and which only delay ready); the caller makes it exit code 2.
         problems = await configuration_problems(self.settings, self.source)
@@ -270,91 +268,26 @@ class Sidecar:
         self._spawn(self.catalog.run(), "catalog")
         await self.watcher.start()
         self._spawn(self.watcher.run(), "watcher")
-        self._spawn(self._expire_leases_loop(), "leases")
+        self._spawn(sweep_leases(self.store), "leases")
         for adapter_id in self.settings.pin:
             if adapter_id in self._pins_pending:
-                self._pin_tasks[adapter_id] = self._spawn(self._stage_pin(adapter_id),
-                                                          f"pin:{adapter_id}")
+                self._pin_tasks[adapter_id] = self._spawn(
+                    stage_pin(self.stager, adapter_id, self.settings.stage_timeout_s,
+                              functools.partial(self._note_pin_result, adapter_id)),
+                    f"pin:{adapter_id}")
 
     async def _recover(self) -> None:
-        """Re-index the cache: one folder at a time, in threads, while the port answers.
-        Costs a stat per file and the headers per adapter, whatever the adapters' bytes."""
-        store = self.store
-        started = time.perf_counter()
-        try:
-            await asyncio.to_thread(store.prepare)
-        except OSError as exc:
-            self.health.set("cache", f"cannot prepare the cache root {store.root}: "
-                            f"{exc.strerror or exc}")
-            if not store.adapters_dir.is_dir():
-                return
-        journal = LeaseJournal(store.journal_path, max_leases=self.settings.max_leases)
-        leases = await self._read_journal(journal)
-        try:
-            folders = await asyncio.to_thread(store.published_folders)
-        except OSError as exc:
-            self.health.set("cache", f"cannot read {store.adapters_dir}: {exc.strerror or exc}")
-            return
-        self._recovery_progress = (0, len(folders))
-        log.info("recovering the cache: %d adapter folders, %d leases in the journal",
-                 len(folders), len(leases))
-
-        def check(folder: Path, record: AdapterRecord) -> list[str]:
-            # The rules may have changed since publication: re-checked from the config and
-            # the safetensors header. The bytes are vouched for by the record (no hashing);
-            # their values are read once for a record of a version that did not check them.
-            scan = CHECK_VALUES not in record.verified
-            problems = [f"{p.code} {p.file}: {p.message}"
-                        for p in validate_adapter(folder, self.rules, checksums=False,
-                                                  scan_values=scan)]
-            if scan and not problems:
-                add_verified(folder, record, CHECK_VALUES)
-            return problems
-
-        records, quarantined = [], 0
-        for checked, folder in enumerate(folders, start=1):
-            try:
-                records.append(await asyncio.to_thread(store.recover_folder, folder, check))
-            except ValueError:
-                quarantined += 1  # logged by the quarantine
-            except OSError as exc:
-                quarantined += 1
-                log.warning("cannot quarantine adapter folder %s: %s", folder.name,
-                            exc.strerror or exc)
-            self._recovery_progress = (checked, len(folders))
+        await recover(self.store, self.rules, pins=self.settings.pin,
+                      max_leases=self.settings.max_leases,
+                      lease_ttl_s=self.settings.lease_ttl_s,
+                      on_problem=lambda problem: self.health.set("cache", problem),
+                      on_progress=self._note_recovery_progress)
         for adapter_id in self.settings.pin:
-            store.pin(adapter_id)
-        store.install(records)
-        restored = store.restore_leases(leases)
-        store.journal = journal
-        try:
-            # Nothing can lease yet (the API waits for recovery), so off the loop is safe.
-            await asyncio.to_thread(journal.reset, store.live_leases())
-        except OSError as exc:
-            journal.failed = True
-            log.warning("cannot write the lease journal %s (%s): leases will not survive a "
-                        "restart", journal.path, exc.strerror or exc)
-        for adapter_id in self.settings.pin:
-            if store.get(adapter_id) is not None:
+            if self.store.get(adapter_id) is not None:
                 self._pins_pending.discard(adapter_id)
-        evicted = store.trim()
-        if evicted:
-            self.purge_trash()
-        elapsed_s = time.perf_counter() - started
-        log.info("recovered cache in %.2fs: adopted=%d quarantined=%d leases=%d "
-                 "evicted_to_budget=%d bytes=%d", elapsed_s, len(records), quarantined,
-                 restored, len(evicted), store.total_bytes,
-                 extra=fields(event="recovered", adapters=len(records), quarantined=quarantined,
-                              leases=restored, duration_s=round(elapsed_s, 3)))
 
-    async def _read_journal(self, journal: LeaseJournal) -> list[JournalLease]:
-        try:
-            return await asyncio.to_thread(journal.load, self.settings.lease_ttl_s)
-        except OSError as exc:
-            log.warning("cannot read the lease journal %s (%s): leases granted before this "
-                        "start are not known, and their adapters may be evicted",
-                        journal.path, exc.strerror or exc)
-            return []
+    def _note_recovery_progress(self, checked: int, folders: int) -> None:
+        self._recovery_progress = (checked, folders)
 
     # ---- background work ---------------------------------------------------------------
 
@@ -369,26 +302,6 @@ class Sidecar:
         """Delete evicted folders off the loop; the rename already hid them from readers."""
         for folder in self.store.take_trash():
             self._spawn(asyncio.to_thread(remove_tree, folder), f"purge:{folder.name}")
-
-    async def _expire_leases_loop(self) -> None:
-        store = self.store
-        while True:
-            try:
-                expired = store.expire_leases()
-                if expired and store.trim():
-                    self.purge_trash()
-                journal = store.journal
-                if journal is not None:
-                    if journal.flush_due():
-                        journal.flush()
-                    if journal.compaction_due(store.live_lease_count) and (
-                            journal.begin_compaction()):
-                        await asyncio.to_thread(journal.merge)  # the loop appends meanwhile
-                    journal.close_if_idle()
-            except Exception:
-                log.exception("lease expiry failed")
-            delay = store.seconds_to_next_expiry()
-            await asyncio.sleep(min(1.0, max(0.05, 1.0 if delay is None else delay)))
 
     async def _health_loop(self) -> None:
         last_probe = 0.0
@@ -409,21 +322,10 @@ class Sidecar:
                 log.exception("health check failed")
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
-    async def _stage_pin(self, adapter_id: str) -> None:
-        delay = PIN_RETRY_S[0]
-        while True:
-            try:
-                await self.stager.stage(adapter_id, timeout_s=self.settings.stage_timeout_s,
-                                        lease=False)
-            except SidecarError as exc:
-                self.health.set(f"pin {adapter_id}", f"{exc.code}: {exc.message}")
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, PIN_RETRY_S[1])
-                continue
-            self.health.set(f"pin {adapter_id}", None)
+    def _note_pin_result(self, adapter_id: str, problem: str | None) -> None:
+        self.health.set(f"pin {adapter_id}", problem)
+        if problem is None:
             self._pins_pending.discard(adapter_id)
-            log.info("pinned adapter staged adapter_id=%s", adapter_id)
-            return
 
     def unpin(self, adapter_id: str) -> bool:
         """Unpin, including a pin still waiting to be staged: its retries stop and it no longer
@@ -499,7 +401,7 @@ def serve(settings: Settings, lock: CacheLock | None = None) -> int:
     try:
         return asyncio.run(_run(settings, lock))
     except KeyboardInterrupt:
-        return 0
+        return EXIT_OK
 
 
 async def _run(settings: Settings, lock: CacheLock | None) -> int:
@@ -508,7 +410,7 @@ async def _run(settings: Settings, lock: CacheLock | None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, _on_signal, stop)
     try:
         await sidecar.start(wait_for_recovery=False)
     except CacheOwned as exc:
@@ -518,13 +420,24 @@ async def _run(settings: Settings, lock: CacheLock | None) -> int:
     except OSError as exc:
         log.error("cannot start: %s", exc)
         await sidecar.stop()
-        return 1
-    # Everything built so far (modules, botocore's service models) lives as long as the
-    # process: out of the collector's sight, a full collection stops costing a pause that
-    # showed in the hit path's tail latency.
+        return EXIT_FAILED
+    # What is built so far lives as long as the process: out of the collector's sight (hit path).
     gc.collect()
     gc.freeze()
     await stop.wait()
     log.info("stopping on signal")
     await sidecar.stop()
-    return 0
+    return EXIT_OK
+
+
+def _on_signal(stop: asyncio.Event) -> None:
+    """The first signal stops gracefully; a second exits at once, as uvicorn does (an operator
+    who asks twice does not want to wait for downloads and threads to finish)."""
+    if not stop.is_set():
+        stop.set()
+        return
+    log.warning("second signal while stopping: exiting at once",
+                extra=fields(event="forced_exit"))
+    logging.shutdown()
+    os._exit(EXIT_FAILED)
+

@@ -19,10 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import LLAMA_TARGET_MODULES, format_size, is_valid_adapter_id
+from .config import LLAMA_TARGET_MODULES, format_size
+from .exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from .ids import is_valid_adapter_id
 
 DEFAULT_URL = "http://127.0.0.1:8500"
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 Handler = Callable[[argparse.Namespace], int]
 
 
@@ -247,8 +248,8 @@ def _wait_ready(args: argparse.Namespace) -> tuple[bool, str]:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from .shapes import ModelShapes
-    from .validate import Rules, run_validate
+    from .validation.shapes import ModelShapes
+    from .validation.validate import Rules, run_validate
 
     try:
         shapes = ModelShapes.from_file(args.base_model_config) if args.base_model_config else None

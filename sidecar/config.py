@@ -18,13 +18,14 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .errors import ConfigError
+from .ids import is_valid_adapter_id
+from .registry.kinds import check_location
 
 log = logging.getLogger(__name__)
 
 ENV_PREFIX = "LORA_SIDECAR_"
 # The most a start waits on the registry to judge --pin before starting anyway (preflight.py).
 REGISTRY_START_CHECK_S = 10.0
-ADAPTER_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 LLAMA_TARGET_MODULES = (
     "q_proj",
     "k_proj",
@@ -42,15 +43,6 @@ _URL_PASSWORD = re.compile(r"(://[^/@:\s]*:)[^/@\s]*@")
 def hide_password(text: str) -> str:
     """A URL fit for logs and error messages: `http://user:<hidden>@host`."""
     return _URL_PASSWORD.sub(r"\1<hidden>@", text)
-
-
-def is_valid_adapter_id(adapter_id: object) -> bool:
-    """Strict id check: the pattern, and never a name the filesystem treats specially."""
-    return (
-        isinstance(adapter_id, str)
-        and ADAPTER_ID_PATTERN.fullmatch(adapter_id) is not None
-        and adapter_id not in (".", "..")
-    )
 
 
 class TritonReload(Enum):
@@ -174,14 +166,9 @@ def _parse_port(text: str) -> int:
 
 def _parse_registry(text: str) -> str:
     registry = text.strip()
-    if registry.startswith("s3://"):
-        bucket = registry.removeprefix("s3://").split("/", 1)[0]
-        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
-            raise ValueError(f"{bucket!r} is not a valid S3 bucket name")
-    elif "://" in registry:
-        raise ValueError("use a local folder or s3://bucket/prefix")
-    elif not registry:
+    if not registry:
         raise ValueError("must not be empty")
+    check_location(registry)  # each registry kind judges its own locations
     return registry
 
 
@@ -525,6 +512,11 @@ class Settings:
     @property
     def is_s3(self) -> bool:
         return self.registry.startswith("s3://")
+
+    @property
+    def is_local(self) -> bool:
+        """A folder path rather than a URL of some registry kind."""
+        return "://" not in self.registry
 
     # ---- construction --------------------------------------------------------------
 

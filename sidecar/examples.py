@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from safetensors import TensorSpec, serialize_file
 
-from .shapes import ATTENTION_MODULES, TINY_LLAMA, ModelShapes
+from .validation.shapes import ATTENTION_MODULES, TINY_LLAMA, ModelShapes
 
 log = logging.getLogger(__name__)
 

@@ -4,23 +4,23 @@ the store when scraped, so they cannot drift from it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from aiohttp.typedefs import Handler
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+if TYPE_CHECKING:
+    from .cache.stager import Stager
+    from .cache.store import AdapterStore
+
+# The text format of /metrics/epp (hand-rendered: one gauge per adapter, web/epp.py).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # 1 ms .. 10 min: a hit is a millisecond, a cold 671 MB adapter on a slow link minutes.
@@ -31,39 +31,15 @@ STAGE_BUCKETS_S = (
 AGE_BUCKETS_S = (1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 86400.0, 7 * 86400.0)
 
 
-@dataclass(frozen=True, slots=True)
-class CacheSnapshot:
-    """What the store reports at scrape time."""
+class ScrapeGauges(Collector):
+    """Gauges whose value is read when Prometheus scrapes: one (name, help, read) each."""
 
-    cache_bytes: int
-    cache_adapters: int
-    capacity_bytes: int
-    capacity_adapters: int
-    pinned_adapters: int
-    active_leases: int
-
-
-class SnapshotSource(Protocol):
-    def snapshot(self) -> CacheSnapshot: ...
-
-
-class _StoreCollector(Collector):
-    def __init__(self, source: SnapshotSource) -> None:
-        self._source = source
+    def __init__(self, gauges: Sequence[tuple[str, str, Callable[[], float]]]) -> None:
+        self._gauges = gauges
 
     def collect(self) -> Iterator[Metric]:
-        snap = self._source.snapshot()
-        gauges = (
-            ("cache_bytes", "Bytes of published adapters on the cache volume.", snap.cache_bytes),
-            ("cache_adapters", "Published adapters on the cache volume.", snap.cache_adapters),
-            ("cache_capacity_bytes", "Byte budget of the cache.", snap.capacity_bytes),
-            ("cache_capacity_adapters", "Adapter budget of the cache.", snap.capacity_adapters),
-            ("pinned_adapters", "Adapters that are never evicted.", snap.pinned_adapters),
-            ("active_leases", "Leases handed out and not yet released or expired.",
-             snap.active_leases),
-        )
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(f"lora_sidecar_{name}", doc, value=value)
+        for name, doc, read in self._gauges:
+            yield GaugeMetricFamily(f"lora_sidecar_{name}", doc, value=read())
 
 
 class Metrics:
@@ -87,9 +63,6 @@ class Metrics:
             "lora_sidecar_download_duration_seconds",
             "Time to download one adapter (all its files).",
             buckets=STAGE_BUCKETS_S, registry=r,
-        )
-        self.inflight_downloads = Gauge(
-            "lora_sidecar_inflight_downloads", "Adapters being downloaded now.", registry=r,
         )
         self.evictions = Counter(
             "lora_sidecar_evictions", "Adapters removed from the cache, by reason "
@@ -159,13 +132,27 @@ class Metrics:
             self.evictions.labels(reason=reason)
         for reason in ("exhausted", "spares_low", "window", "requested", "engine_lost"):
             self.catalog_compactions.labels(reason=reason)
+        # GET /metrics: prometheus_client's own handler, in the format the scraper asks for.
+        self.handler: Handler = make_aiohttp_handler(r, disable_compression=True)
         if process:
             ProcessCollector(registry=r)
             PlatformCollector(registry=r)
             GCCollector(registry=r)
 
-    def watch_store(self, source: SnapshotSource) -> None:
-        self.registry.register(_StoreCollector(source))
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def watch(self, store: AdapterStore, stager: Stager) -> None:
+        """Register the gauges read at scrape time, so they cannot drift from what they show."""
+        self.registry.register(ScrapeGauges((
+            ("cache_bytes", "Bytes of published adapters on the cache volume.",
+             lambda: store.total_bytes),
+            ("cache_adapters", "Published adapters on the cache volume.",
+             lambda: len(store.adapters())),
+            ("cache_capacity_bytes", "Byte budget of the cache.", lambda: store.max_bytes),
+            ("cache_capacity_adapters", "Adapter budget of the cache.",
+             lambda: store.max_adapters),
+            ("pinned_adapters", "Adapters that are never evicted.",
+             lambda: store.snapshot().pinned_adapters),
+            ("active_leases", "Leases handed out and not yet released or expired.",
+             lambda: store.live_lease_count),
+            ("inflight_downloads", "Adapters being downloaded now.",
+             lambda: len(stager.inflight)),
+        )))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .config import REGISTRY_START_CHECK_S, Settings, local_registry_problem, option_for
 from .errors import AdapterNotFound, SidecarError
-from .source import AdapterSource
+from .registry.base import AdapterSource
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ SHOWN_IDS = 10
 
 async def configuration_problems(settings: Settings, source: AdapterSource) -> list[str]:
     """Every problem of `settings` that stops the start, each naming its option."""
-    if not settings.is_s3:
+    if settings.is_local:
         problem = await asyncio.to_thread(local_registry_problem, settings.registry)
         if problem is not None:
             return [problem]  # pins cannot be looked up without it
@@ -62,7 +62,7 @@ async def _missing_pins(settings: Settings, source: AdapterSource) -> list[str]:
         return []
     option = option_for("pin")
     held = await _registry_ids(source) if answered else ""
-    where = source.description if settings.is_s3 else f"folder {_folder(settings.registry)}"
+    where = source.description if not settings.is_local else f"folder {_folder(settings.registry)}"
     return [f"{option.flag} ({option.env_var}): no adapter {adapter_id!r} in the registry "
             f"{where}{held}" for adapter_id in missing]
 

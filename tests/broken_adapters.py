@@ -23,8 +23,8 @@ from numpy.typing import NDArray
 from safetensors.numpy import load_file, save_file
 
 from sidecar.examples import tensor_name, write_adapter
-from sidecar.shapes import TINY_LLAMA, ModelShapes
-from sidecar.validate import Rules
+from sidecar.validation.shapes import TINY_LLAMA, ModelShapes
+from sidecar.validation.validate import Rules
 
 WEIGHTS = "adapter_model.safetensors"
 Arrays = dict[str, NDArray[Any]]

@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sidecar.store import RECORD_NAME, AdapterRecord
-from sidecar.validate import Rules, validate_adapter
+from sidecar.cache.records import RECORD_NAME, AdapterRecord
+from sidecar.validation.validate import Rules, validate_adapter
 
 
 @dataclass(frozen=True, slots=True)

@@ -195,6 +195,16 @@ async def call(
             return response.status, text
 
 
+async def stage_ok(http: aiohttp.ClientSession, sidecar: Sidecar, adapter_id: str,
+                   **extra: object) -> dict[str, object]:
+    """POST /stage that must answer 200; its body."""
+    status, body = await call(http, "POST", f"{sidecar.url}/stage",
+                              {"adapter_id": adapter_id, **extra})
+    assert status == 200, body
+    assert isinstance(body, dict)
+    return body
+
+
 @pytest.fixture
 def sidecar_processes() -> Iterator[list[SidecarProcess]]:
     """Sidecar child processes a test started; killed after it if still running."""

@@ -2,60 +2,34 @@
 appends each request line it carried ("GET http://host:port/path") to a log file. Tests point
 http_proxy and friends at it to see which calls went through a proxy and which did not.
 
-    python tests/forward_proxy.py LOG_FILE PORT_FILE
+    python -m tests.forward_proxy LOG_FILE PORT_FILE
 """
 
 from __future__ import annotations
 
 import http.client
-import subprocess
 import sys
 import threading
-import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-PROXY_VARIABLES = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy",
-                   "ALL_PROXY")
+from tests.proxy_process import ProxyProcess
+
 HOP_HEADERS = {"connection", "keep-alive", "proxy-connection", "proxy-authorization",
                "proxy-authenticate", "te", "trailer", "transfer-encoding", "upgrade"}
 _lock = threading.Lock()
 
 
-class ForwardProxy:
+class ForwardProxy(ProxyProcess):
     """This script as a child process: `url`, `carried()` so far, `stop()`."""
 
     def __init__(self, workdir: Path) -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.log_file = workdir / "proxy-carried.log"
-        port_file = workdir / "proxy-port"
-        port_file.unlink(missing_ok=True)
-        self.process = subprocess.Popen([sys.executable, __file__, str(self.log_file),
-                                         str(port_file)])
-        deadline = time.monotonic() + 20
-        while not (port_file.exists() and port_file.read_text()):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("the forward proxy did not start")
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{port_file.read_text()}"
-
-    def environment(self, no_proxy: str | None = None) -> dict[str, str]:
-        """Every proxy variable pointing at this proxy; no_proxy only if given."""
-        env = dict.fromkeys(PROXY_VARIABLES, self.url)
-        if no_proxy is not None:
-            env["no_proxy"] = env["NO_PROXY"] = no_proxy
-        return env
+        super().__init__(__name__, workdir, "proxy-carried.log", "forward proxy")
 
     def carried(self) -> list[str]:
-        return self.log_file.read_text(encoding="utf-8").splitlines()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(10)
+        return self.lines()
 
 
 class _Forwarder(BaseHTTPRequestHandler):

@@ -2,53 +2,34 @@
 line of every request it receives to a log file and answers 502. Tests point http_proxy and
 friends at it to prove a call never went through a proxy.
 
-    python tests/recording_proxy.py LOG_FILE PORT_FILE
+    python -m tests.recording_proxy LOG_FILE PORT_FILE
 """
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from tests.proxy_process import ProxyProcess
+
 _lock = threading.Lock()
-PROXY_VARIABLES = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy",
-                   "ALL_PROXY")
 
 
-class RecordingProxy:
+class RecordingProxy(ProxyProcess):
     """This script as a child process: `url`, `requests()` seen so far, `stop()`."""
 
     def __init__(self, workdir: Path) -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.log_file = workdir / "proxy-requests.log"
-        port_file = workdir / "proxy-port"
-        port_file.unlink(missing_ok=True)
-        self.process = subprocess.Popen([sys.executable, __file__, str(self.log_file),
-                                         str(port_file)])
-        deadline = time.monotonic() + 20
-        while not (port_file.exists() and port_file.read_text()):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("the recording proxy did not start")
-            time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{port_file.read_text()}"
+        super().__init__(__name__, workdir, "proxy-requests.log", "recording proxy")
 
-    def environment(self) -> dict[str, str]:
+    def environment(self, no_proxy: str | None = None) -> dict[str, str]:
         """Every proxy variable pointing at this proxy, and no no_proxy: a corporate container."""
-        return dict.fromkeys(PROXY_VARIABLES, self.url)
+        return super().environment(no_proxy)
 
     def requests(self) -> list[str]:
-        return self.log_file.read_text(encoding="utf-8").splitlines()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(10)
+        return self.lines()
 
 
 class _Recorder(BaseHTTPRequestHandler):

@@ -16,21 +16,13 @@ from tests.conftest import (
     local_registry_adapter,
     make_settings,
     s3_settings,
+    stage_ok,
 )
 from tests.s3proxy import drop_connection
 
 
 def cached_ids(tmp_path: Path) -> set[str]:
     return {p.name for p in (tmp_path / "cache" / "adapters").iterdir()}
-
-
-async def stage(http: aiohttp.ClientSession, sidecar: Sidecar, adapter_id: str,
-                **extra: object) -> dict[str, object]:
-    status, body = await call(http, "POST", f"{sidecar.url}/stage",
-                              {"adapter_id": adapter_id, **extra})
-    assert status == 200, body
-    assert isinstance(body, dict)
-    return body
 
 
 async def release(http: aiohttp.ClientSession, sidecar: Sidecar, lease_id: object) -> None:
@@ -46,9 +38,9 @@ async def test_count_budget_evicts_least_recently_used(
     sidecar = await start_sidecar(make_settings(tmp_path, max_adapters=2))
 
     for adapter_id in ("a", "b"):
-        await stage(http, sidecar, adapter_id, lease=False)
-    await stage(http, sidecar, "a", lease=False)  # a is now more recent than b
-    await stage(http, sidecar, "c", lease=False)
+        await stage_ok(http, sidecar, adapter_id, lease=False)
+    await stage_ok(http, sidecar, "a", lease=False)  # a is now more recent than b
+    await stage_ok(http, sidecar, "c", lease=False)
 
     assert cached_ids(tmp_path) == {"a", "c"}
     status, listing = await call(http, "GET", f"{sidecar.url}/adapters")
@@ -66,7 +58,7 @@ async def test_byte_budget_evicts_until_it_fits(
     sidecar = await start_sidecar(make_settings(tmp_path, max_bytes=2 * size + size // 2))
 
     for adapter_id in ("a", "b", "c"):
-        await stage(http, sidecar, adapter_id, lease=False)
+        await stage_ok(http, sidecar, adapter_id, lease=False)
 
     assert cached_ids(tmp_path) == {"b", "c"}
     assert sidecar.store.total_bytes <= 2 * size + size // 2
@@ -79,7 +71,7 @@ async def test_leased_adapter_is_not_evicted_and_a_stage_that_cannot_fit_is_507(
         local_registry_adapter(tmp_path, adapter_id, seed=i)
     sidecar = await start_sidecar(make_settings(tmp_path, max_adapters=1))
 
-    leased = await stage(http, sidecar, "a")
+    leased = await stage_ok(http, sidecar, "a")
     status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "b"})
     assert status == 507
     assert body["error"] == "cache_full"
@@ -88,7 +80,7 @@ async def test_leased_adapter_is_not_evicted_and_a_stage_that_cannot_fit_is_507(
     assert list((tmp_path / "cache" / ".staging").iterdir()) == []
 
     await release(http, sidecar, leased["lease_id"])
-    await stage(http, sidecar, "b")
+    await stage_ok(http, sidecar, "b")
     assert cached_ids(tmp_path) == {"b"}
 
 
@@ -106,7 +98,7 @@ async def test_lease_expires_after_its_ttl_and_the_adapter_becomes_evictable(
 ) -> None:
     local_registry_adapter(tmp_path, "a")
     sidecar = await start_sidecar(make_settings(tmp_path, lease_ttl_s=0.3))
-    answer = await stage(http, sidecar, "a")
+    answer = await stage_ok(http, sidecar, "a")
     status, body = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "a"})
     assert status == 409
 
@@ -129,8 +121,8 @@ async def test_evicting_a_leased_adapter_is_409_unless_forced(
 ) -> None:
     local_registry_adapter(tmp_path, "a")
     sidecar = await start_sidecar(make_settings(tmp_path))
-    first = await stage(http, sidecar, "a")
-    second = await stage(http, sidecar, "a")
+    first = await stage_ok(http, sidecar, "a")
+    second = await stage_ok(http, sidecar, "a")
 
     status, body = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "a"})
     assert status == 409
@@ -163,7 +155,7 @@ async def test_eviction_moves_the_folder_to_trash_and_deletes_it(
 ) -> None:
     local_registry_adapter(tmp_path, "a")
     sidecar = await start_sidecar(make_settings(tmp_path))
-    await stage(http, sidecar, "a", lease=False)
+    await stage_ok(http, sidecar, "a", lease=False)
     status, _ = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "a"})
     assert status == 200
     assert not (tmp_path / "cache" / "adapters" / "a").exists()
@@ -189,8 +181,8 @@ async def test_pinned_adapters_are_staged_at_start_and_never_evicted(
     assert status == 200, ready
     assert cached_ids(tmp_path) == {"pinned"}
 
-    await stage(http, sidecar, "b", lease=False)
-    await stage(http, sidecar, "c", lease=False)
+    await stage_ok(http, sidecar, "b", lease=False)
+    await stage_ok(http, sidecar, "c", lease=False)
     assert cached_ids(tmp_path) == {"pinned", "c"}
 
     status, body = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "pinned"})
@@ -215,7 +207,7 @@ async def test_pin_and_unpin_through_the_api(
     status, body = await call(http, "POST", f"{sidecar.url}/unpin", {"adapter_id": "a"})
     assert status == 200
     assert body["was_pinned"] is True
-    await stage(http, sidecar, "b", lease=False)
+    await stage_ok(http, sidecar, "b", lease=False)
     assert cached_ids(tmp_path) == {"b"}
 
 

@@ -17,18 +17,18 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sidecar.catalog import RETRY_AFTER_FAILURE_S, Catalog
+from sidecar.cache.stager import Stager
+from sidecar.cache.store import AdapterStore
+from sidecar.catalog.catalog import RETRY_AFTER_FAILURE_S, Catalog
+from sidecar.catalog.engine_state import EngineState, Probe
+from sidecar.catalog.generations import read_journal
 from sidecar.config import CompactionWindow, Settings, TritonReload
-from sidecar.engine_state import EngineState, Probe
 from sidecar.errors import CatalogPending, CatalogReloading
-from sidecar.generations import read_journal
-from sidecar.localsource import LocalSource
 from sidecar.metrics import Metrics
-from sidecar.shapes import TINY_LLAMA
-from sidecar.stager import Stager
-from sidecar.store import AdapterStore
-from sidecar.transfer import TransferPolicy
-from sidecar.validate import Rules, validate_adapter
+from sidecar.registry.local import LocalSource
+from sidecar.registry.transfer import TransferPolicy
+from sidecar.validation.shapes import TINY_LLAMA
+from sidecar.validation.validate import Rules, validate_adapter
 from tests.conftest import local_registry_adapter, make_settings
 
 WEIGHTS = "adapter_model.safetensors"
@@ -48,7 +48,7 @@ class RecordingControl:
     probe_answers: list[Probe] = field(default_factory=list)  # served first, one per probe
 
     async def load(self, model: str) -> None:
-        from sidecar.triton_control import ReloadFailed
+        from sidecar.catalog.triton_control import ReloadFailed
 
         self.calls.append(f"load {model}")
         self.entered.set()
@@ -124,7 +124,7 @@ class World:
                        for folder in store.published_folders()])
         policy = TransferPolicy(part_size_bytes=8 << 20, attempts=1, limiter=asyncio.Semaphore(4))
         self.stager = Stager(store, LocalSource(Path(settings.registry), policy), rules,
-                             self.metrics, refusal_ttl_s=0, on_trash=lambda: None)
+                             self.metrics, refusal_ttl_s=0)
         catalog = Catalog(settings, store, rules, self.metrics, control=self.control,
                           clock=self.clock, wall=self.wall)
         store.before_evict = catalog.names.before_evict

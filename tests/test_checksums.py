@@ -17,10 +17,10 @@ from boto3.s3.transfer import TransferConfig
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.checksum import crc32_combine, s3_checksum_hex
 from sidecar.examples import write_adapter
-from sidecar.shapes import ModelShapes
-from sidecar.transfer import TransferPolicy, part_starts
+from sidecar.registry.checksum import crc32_combine, s3_checksum_hex
+from sidecar.registry.transfer import TransferPolicy, part_starts
+from sidecar.validation.shapes import ModelShapes
 from tests.conftest import S3Registry, StartSidecar, call, s3_settings
 from tests.s3proxy import BodyFault, Seen
 

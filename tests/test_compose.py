@@ -25,7 +25,7 @@ import yaml
 
 from sidecar.config import OPTIONS, Settings, TritonReload
 from sidecar.examples import write_adapter
-from sidecar.shapes import TINY_LLAMA
+from sidecar.validation.shapes import TINY_LLAMA
 from tests.processes import SidecarProcess, stage_blocking
 
 REPO = Path(__file__).resolve().parents[1]

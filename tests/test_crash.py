@@ -13,8 +13,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from sidecar.shapes import ModelShapes
-from sidecar.validate import Rules
+from sidecar.validation.shapes import ModelShapes
+from sidecar.validation.validate import Rules
 from tests.cache_checks import check_cache
 from tests.conftest import S3Registry, make_settings
 from tests.processes import SidecarProcess, stage_blocking

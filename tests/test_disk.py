@@ -20,8 +20,8 @@ from aiohttp import web
 import sidecar.app
 from sidecar.app import Sidecar
 from sidecar.config import Settings
-from sidecar.shapes import ModelShapes
-from sidecar.validate import Rules
+from sidecar.validation.shapes import ModelShapes
+from sidecar.validation.validate import Rules
 from tests.cache_checks import check_cache, folder_bytes
 from tests.conftest import S3Registry, StartSidecar, call, s3_settings
 from tests.s3proxy import Seen, drop_connection, is_object_get

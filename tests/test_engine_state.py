@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from sidecar.engine_state import (
+from sidecar.catalog.engine_state import (
     LOST_AFTER_FAILURES,
     LOST_WINDOW_S,
     EngineState,

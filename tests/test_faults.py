@@ -16,9 +16,9 @@ import pytest
 from aiohttp import web
 
 from sidecar.config import Settings
-from sidecar.shapes import ModelShapes
-from sidecar.transfer import BACKOFF_CAP_S, backoff_s
-from sidecar.validate import Rules
+from sidecar.registry.transfer import BACKOFF_CAP_S, backoff_s
+from sidecar.validation.shapes import ModelShapes
+from sidecar.validation.validate import Rules
 from tests.cache_checks import check_cache, folder_bytes
 from tests.conftest import S3Registry, StartSidecar, call, s3_settings
 from tests.s3proxy import BodyFault, FailTimes, Seen, is_object_get

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from sidecar.cache.lease_journal import JOURNAL_NAME, LeaseJournal, lease_digest
+from sidecar.cache.records import AdapterRecord, FileRecord
+from sidecar.cache.store import AdapterStore
 from sidecar.errors import LeaseNotFound
-from sidecar.leases import JOURNAL_NAME, LeaseJournal, lease_digest
 from sidecar.metrics import Metrics
-from sidecar.store import AdapterRecord, AdapterStore, FileRecord
 from tests.conftest import local_registry_adapter
 from tests.processes import SidecarProcess, get_blocking, post_blocking, stage_blocking
 
@@ -172,7 +173,7 @@ def journal_bytes(root: Path) -> int:
 def test_the_journal_is_compacted_beside_new_appends_and_skips_a_torn_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("sidecar.leases.COMPACT_MIN_BYTES", 4096)
+    monkeypatch.setattr("sidecar.cache.lease_journal.COMPACT_MIN_BYTES", 4096)
     wall, monotonic = Clock(1_800_000_000.0), Clock(5_000.0)
     store = journaled_store(tmp_path, wall, monotonic, "boot-1")
     journal = store.journal

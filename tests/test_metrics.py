@@ -10,8 +10,8 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from sidecar.cache.records import RECORD_NAME
 from sidecar.metrics import STAGE_BUCKETS_S
-from sidecar.store import RECORD_NAME
 from tests.broken_adapters import CORPUS
 from tests.conftest import (
     S3Registry,

@@ -34,7 +34,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.examples import write_adapter
-from sidecar.shapes import TINY_LLAMA
+from sidecar.validation.shapes import TINY_LLAMA
 from tests.processes import SidecarProcess
 from tests.triton.harness import HEADER_FORWARD_ARGS, ROUTER, TritonServer, router_config
 from tests.triton.standin_vllm.answer import weights_digest

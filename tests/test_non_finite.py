@@ -20,11 +20,11 @@ import aiohttp
 import numpy as np
 import pytest
 
-from sidecar.checksum import crc32_hex
+from sidecar.cache.records import Check
 from sidecar.examples import tensor_name, write_adapter
-from sidecar.shapes import ModelShapes
-from sidecar.store import CHECK_VALUES
-from sidecar.transfer import TransferPolicy, part_starts
+from sidecar.registry.checksum import crc32_hex
+from sidecar.registry.transfer import TransferPolicy, part_starts
+from sidecar.validation.shapes import ModelShapes
 from tests.conftest import (
     S3Registry,
     StartSidecar,
@@ -32,10 +32,12 @@ from tests.conftest import (
     local_registry_adapter,
     make_settings,
     s3_settings,
+    stage_ok,
 )
 from tests.observing import eventually, scrape
 from tests.processes import SidecarProcess, stage_blocking
 
+CHECK_VALUES = Check.VALUES  # what a record lists once every tensor value was read
 WEIGHTS = "adapter_model.safetensors"
 PART_BYTES = 5 * 1024**2
 # About 20 MB of float32 weights: four ranged parts of 5 MiB.
@@ -210,9 +212,7 @@ async def test_a_restart_checks_the_values_of_a_record_that_never_had_them_check
     # for its bytes but not for their values, so the restart reads them once.
     local_registry_adapter(tmp_path, "old-v1")
     sidecar = await start_sidecar(make_settings(tmp_path))
-    status, body = await call(http, "POST", f"{sidecar.url}/stage",
-                              {"adapter_id": "old-v1", "lease": False})
-    assert status == 200, body
+    body = await stage_ok(http, sidecar, "old-v1", lease=False)
     await sidecar.stop()
     published = Path(str(body["local_path"]))
     set_element(published / WEIGHTS, tensor_name(1, "q_proj", "B"), 0, np.nan)
@@ -230,9 +230,7 @@ async def test_a_restart_reads_the_values_once_and_records_that_it_did(
 ) -> None:
     local_registry_adapter(tmp_path, "old-v1")
     sidecar = await start_sidecar(make_settings(tmp_path))
-    status, body = await call(http, "POST", f"{sidecar.url}/stage",
-                              {"adapter_id": "old-v1", "lease": False})
-    assert status == 200, body
+    body = await stage_ok(http, sidecar, "old-v1", lease=False)
     await sidecar.stop()
     published = Path(str(body["local_path"]))
     as_recorded_before_values_were_checked(published)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from sidecar import api, errors
+from sidecar import errors
+from sidecar.web import api
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

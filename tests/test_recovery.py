@@ -16,9 +16,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sidecar.app import Sidecar
+from sidecar.cache.records import RECORD_NAME, AdapterRecord
+from sidecar.cache.store import AdapterStore
 from sidecar.examples import write_adapter
-from sidecar.shapes import ModelShapes
-from sidecar.store import RECORD_NAME, AdapterRecord, AdapterStore
+from sidecar.validation.shapes import ModelShapes
 from tests.conftest import StartSidecar, call, local_registry_adapter, make_settings
 from tests.processes import SidecarProcess, get_blocking, stage_blocking
 

@@ -21,11 +21,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from sidecar import httpranges
-from sidecar.shapes import ModelShapes
+from sidecar.registry import httpranges
+from sidecar.validation.shapes import ModelShapes
 from tests.conftest import S3Registry, StartSidecar, call, make_settings, s3_settings
-from tests.forward_proxy import PROXY_VARIABLES, ForwardProxy
+from tests.forward_proxy import ForwardProxy
 from tests.processes import SidecarProcess, stage_blocking
+from tests.proxy_process import PROXY_VARIABLES
 from tests.s3proxy import S3Proxy, Seen, is_object_get, s3_error
 
 WEIGHTS = "adapter_model.safetensors"

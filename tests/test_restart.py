@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from sidecar.shapes import ModelShapes
+from sidecar.validation.shapes import ModelShapes
 from tests.conftest import (
     S3Registry,
     StartSidecar,

@@ -13,7 +13,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.app import Sidecar
-from sidecar.seed import REPOSITORY_DIR, seed_model_repository
+from sidecar.catalog.seed import REPOSITORY_DIR, seed_model_repository
 from tests.conftest import S3Registry, StartSidecar, call, make_settings, s3_settings
 from tests.triton.harness import TRITON_REPO
 

@@ -117,8 +117,8 @@ async def test_other_adapters_download_in_parallel(
 async def test_large_adapter_uses_ranged_parts_and_arrives_intact(
     tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession
 ) -> None:
-    from sidecar.shapes import ModelShapes
-    from sidecar.transfer import TransferPolicy, part_starts
+    from sidecar.registry.transfer import TransferPolicy, part_starts
+    from sidecar.validation.shapes import ModelShapes
 
     shapes = ModelShapes(hidden_size=1024, intermediate_size=2816, num_attention_heads=8,
                          num_key_value_heads=8, num_hidden_layers=20, head_dim=128)

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from sidecar.cache.records import AdapterRecord, FileRecord
+from sidecar.cache.store import AdapterStore
 from sidecar.errors import LeaseNotFound
 from sidecar.metrics import Metrics
-from sidecar.store import AdapterRecord, AdapterStore, FileRecord
 
 
 class Clock:

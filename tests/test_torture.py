@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.validate import Rules
+from sidecar.validation.validate import Rules
 from tests.cache_checks import check_cache, leftovers
 from tests.conftest import S3Registry, call, make_settings
 from tests.processes import SidecarProcess

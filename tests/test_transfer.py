@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar import transfer
+from sidecar.registry import transfer
 
 
 def test_pwrite_all_finishes_after_short_writes(

@@ -23,9 +23,9 @@ from sidecar.__main__ import main
 from sidecar.config import Settings
 from sidecar.errors import ConfigError
 from sidecar.examples import tensor_name, write_adapter
-from sidecar.safetensors_check import check_safetensors
-from sidecar.shapes import ATTENTION_MODULES, MLP_MODULES, TINY_LLAMA
-from sidecar.validate import (
+from sidecar.validation.safetensors_check import check_safetensors
+from sidecar.validation.shapes import ATTENTION_MODULES, MLP_MODULES, TINY_LLAMA
+from sidecar.validation.validate import (
     MAX_PROBLEMS_PER_CODE,
     Problem,
     Rules,

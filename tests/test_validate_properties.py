@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sidecar.examples import write_adapter
-from sidecar.safetensors_check import HEADER_MAX_BYTES
-from sidecar.shapes import ATTENTION_MODULES, MLP_MODULES
-from sidecar.validate import Problem, Rules, validate_adapter
+from sidecar.validation.safetensors_check import HEADER_MAX_BYTES
+from sidecar.validation.shapes import ATTENTION_MODULES, MLP_MODULES
+from sidecar.validation.validate import Problem, Rules, validate_adapter
 from tests.broken_adapters import CONFIG, WEIGHTS
 from tests.test_validate import bytes_read_by_process
 

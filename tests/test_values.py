@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import TensorSpec, serialize_file
 
-from sidecar import values
-from sidecar.values import ValueScan, scan_file
+from sidecar.validation import values
+from sidecar.validation.values import ValueScan, scan_file
 
 DTYPES = {"F16": ("float16", np.float16), "BF16": ("bfloat16", np.uint16),
           "F32": ("float32", np.float32)}

@@ -13,10 +13,10 @@ from pathlib import Path
 import aiohttp
 
 from sidecar.app import Sidecar
+from sidecar.cache.records import RECORD_NAME
 from sidecar.examples import write_adapter
-from sidecar.store import RECORD_NAME
 from tests.broken_adapters import CORPUS
-from tests.conftest import StartSidecar, call, local_registry_adapter, make_settings
+from tests.conftest import StartSidecar, call, local_registry_adapter, make_settings, stage_ok
 from tests.observing import eventually, scrape
 
 TRUNCATED = next(case for case in CORPUS if case.name == "truncated_file")
@@ -26,15 +26,6 @@ async def _listed(http: aiohttp.ClientSession, sidecar: Sidecar) -> list[str]:
     status, body = await call(http, "GET", f"{sidecar.url}/adapters")
     assert status == 200
     return sorted(a["adapter_id"] for a in body["adapters"])
-
-
-async def _stage(http: aiohttp.ClientSession, sidecar: Sidecar, adapter_id: str,
-                 **extra: object) -> dict[str, object]:
-    status, body = await call(http, "POST", f"{sidecar.url}/stage",
-                              {"adapter_id": adapter_id, **extra})
-    assert status == 200, body
-    assert isinstance(body, dict)
-    return body
 
 
 def _quarantined(sidecar: Sidecar) -> list[str]:
@@ -51,8 +42,8 @@ async def test_folder_removed_by_hand_leaves_index_and_gauges_within_two_seconds
 ) -> None:
     sizes = {i: local_registry_adapter(tmp_path, i, seed=n) for n, i in enumerate(("a", "b"))}
     sidecar = await start_sidecar(make_settings(tmp_path))
-    await _stage(http, sidecar, "a", lease=False)
-    await _stage(http, sidecar, "b")  # leased: an operator's rm wins over a lease
+    await stage_ok(http, sidecar, "a", lease=False)
+    await stage_ok(http, sidecar, "b")  # leased: an operator's rm wins over a lease
     b_bytes = sum(p.stat().st_size for p in sizes["b"].iterdir())
 
     removed_at = time.monotonic()
@@ -78,7 +69,7 @@ async def test_folder_removed_by_hand_leaves_index_and_gauges_within_two_seconds
     assert metrics.value("lora_sidecar_evictions_total", reason="external") == 2
     assert metrics.value("lora_sidecar_active_leases") == 0  # its lease went with it
     # Staged again on demand, from the registry.
-    assert (await _stage(http, sidecar, "a"))["cached"] is False
+    assert (await stage_ok(http, sidecar, "a"))["cached"] is False
 
 
 async def test_valid_folder_copied_in_is_adopted_with_a_record_and_served_as_a_hit(
@@ -100,7 +91,7 @@ async def test_valid_folder_copied_in_is_adopted_with_a_record_and_served_as_a_h
     assert {name: f["sha256"] for name, f in record["files"].items()} == {
         p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in provisioned.iterdir()
     }
-    body = await _stage(http, sidecar, "copied-v1")
+    body = await stage_ok(http, sidecar, "copied-v1")
     assert body["cached"] is True
     assert body["size_bytes"] == size_bytes
     metrics = await scrape(http, sidecar.url)
@@ -153,7 +144,7 @@ async def test_broken_folder_copied_in_is_quarantined_and_never_served(
     assert failures == 2
     assert metrics.value("lora_sidecar_quarantined_total") == 3
     # Asked for, it is downloaded afresh from the registry, or unknown.
-    body = await _stage(http, sidecar, "in-registry")
+    body = await stage_ok(http, sidecar, "in-registry")
     assert body["cached"] is False
     registry_weights = tmp_path / "registry" / "in-registry" / "adapter_model.safetensors"
     staged_weights = Path(str(body["local_path"])) / "adapter_model.safetensors"
@@ -168,7 +159,7 @@ async def test_file_removed_from_a_cached_folder_stops_it_being_served(
 ) -> None:
     local_registry_adapter(tmp_path, "a", seed=1)
     sidecar = await start_sidecar(make_settings(tmp_path))
-    await _stage(http, sidecar, "a", lease=False)
+    await stage_ok(http, sidecar, "a", lease=False)
     (sidecar.store.path_of("a") / "adapter_config.json").unlink()
 
     async def moved_aside() -> bool:
@@ -178,7 +169,7 @@ async def test_file_removed_from_a_cached_folder_stops_it_being_served(
     assert await _listed(http, sidecar) == []
     metrics = await scrape(http, sidecar.url)
     assert metrics.value("lora_sidecar_evictions_total", reason="external") == 1
-    assert (await _stage(http, sidecar, "a"))["cached"] is False
+    assert (await stage_ok(http, sidecar, "a"))["cached"] is False
 
 
 async def test_own_stage_and_evict_cause_no_adoption_or_external_eviction(
@@ -187,13 +178,13 @@ async def test_own_stage_and_evict_cause_no_adoption_or_external_eviction(
     for n, adapter_id in enumerate(("a", "b", "c", "d")):
         local_registry_adapter(tmp_path, adapter_id, seed=n)
     sidecar = await start_sidecar(make_settings(tmp_path, max_adapters=3))
-    await _stage(http, sidecar, "a", lease=False)
-    await _stage(http, sidecar, "b", lease=False)
+    await stage_ok(http, sidecar, "a", lease=False)
+    await stage_ok(http, sidecar, "b", lease=False)
     status, _ = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "b"})
     assert status == 200
-    await _stage(http, sidecar, "b", lease=False)  # the same id again, right after
-    await _stage(http, sidecar, "c", lease=False)
-    await _stage(http, sidecar, "d", lease=False)  # over budget: a goes (lru)
+    await stage_ok(http, sidecar, "b", lease=False)  # the same id again, right after
+    await stage_ok(http, sidecar, "c", lease=False)
+    await stage_ok(http, sidecar, "d", lease=False)  # over budget: a goes (lru)
 
     # A barrier: events arrive in order, so once this copy is adopted, the events of the
     # sidecar's own renames above have been judged too.

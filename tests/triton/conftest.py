@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcsync
 import tritonclient.grpc.aio as grpcclient
 
 from sidecar.app import Sidecar
-from sidecar.shapes import TINY_LLAMA
+from sidecar.validation.shapes import TINY_LLAMA
 from tests.conftest import S3Registry, StartSidecar, s3_settings
 from tests.recording_proxy import RecordingProxy
 from tests.triton.harness import ROUTER, VLLM_MODEL, TritonServer, free_port, router_config

@@ -18,7 +18,7 @@ import pytest
 import tritonclient.grpc.aio as grpcclient
 
 from sidecar.app import Sidecar
-from sidecar.shapes import TINY_LLAMA
+from sidecar.validation.shapes import TINY_LLAMA
 from tests.conftest import S3Registry, StartSidecar, call, s3_settings
 from tests.triton.conftest import StartNodeSidecar, TritonNode, ask, start_triton_node
 from tests.triton.harness import free_port

@@ -19,9 +19,9 @@ import pytest
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from sidecar.catalog.generations import NoopAdapter
 from sidecar.config import LLAMA_TARGET_MODULES
-from sidecar.generations import NoopAdapter
-from sidecar.shapes import TINY_LLAMA
+from sidecar.validation.shapes import TINY_LLAMA
 from tests.conftest import S3Registry, StartSidecar, call, s3_settings
 from tests.triton.conftest import (
     StartNodeSidecar,

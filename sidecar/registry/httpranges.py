@@ -35,8 +35,9 @@ from urllib3.exceptions import (
 )
 from urllib3.util.retry import Retry
 
-from .errors import SidecarError, SourceChanged, SourceError, SourceUnavailable
+from ..errors import SidecarError, SourceChanged, SourceError, SourceUnavailable
 from .proxies import proxy_for
+from .s3errors import s3_cause
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,6 @@ RESIGN_AFTER_S = 300.0
 _CODE = re.compile(rb"<Code>([A-Za-z0-9.]{1,64})</Code>")
 _MESSAGE = re.compile(rb"<Message>([^<]{0,300})</Message>")
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
-# S3's answers to a signature or session token past its expiry (a presigned URL's
-# X-Amz-Expires, or short-lived credentials from STS or IRSA): signing again is the cure.
-_EXPIRED_CODES = ("ExpiredToken", "TokenRefreshRequired", "RequestExpired")
-_CREDENTIAL_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken")
 
 
 class _Idle:
@@ -184,7 +181,8 @@ class RangeReader:
             if response.status == 206:
                 return self._check_range(response, start, end)
             code, message = _error_of(response)
-            if expired is None and _is_expiry(response.status, code, message):
+            if expired is None and s3_cause(response.status, code, message) == (
+                    "credentials_expired"):
                 expired = url  # sign again and retry once
                 log.info("the registry says the signature of %s expired (%s); signing again",
                          self._describe, code or response.status)
@@ -210,41 +208,34 @@ class RangeReader:
                  after_resign: bool) -> SidecarError:
         self._on_error()
         where = f"{self._describe} ({code or status})"
-        if status == 412 or code in ("PreconditionFailed", "NoSuchKey"):
+        cause = s3_cause(status, code, message)
+        if cause == "object_changed" and (status != 404 or code == "NoSuchKey"):
             return SourceChanged(f"{where} changed or vanished in the registry while it was "
                                  "being fetched", adapter_id=self._adapter_id,
                                  cause="object_changed")
-        if status == 404 and not code:
-            return SourceError(f"the endpoint answered 404 without an S3 error to a GET of "
-                               f"{self._describe}: is it an S3 endpoint? Check "
-                               "--s3-endpoint-url", adapter_id=self._adapter_id,
-                               cause="not_s3")
-        if status == 404:
+        if cause in ("object_changed", "bucket"):  # a 404 naming its code
             return SourceChanged(f"{where} vanished from the registry while it was being "
                                  "fetched", adapter_id=self._adapter_id, cause="object_changed")
-        if _is_expiry(status, code, message):
-            again = " although it was just signed again" if after_resign else ""
-            return SourceError(f"the registry says the signature or session token for "
-                               f"{where} expired{again} ({message or code}): check this "
-                               "machine's clock (NTP) and that the credential source renews "
-                               "short-lived credentials (STS, IRSA)",
-                               adapter_id=self._adapter_id, cause="credentials_expired")
-        if code == "RequestTimeTooSkewed":
-            return SourceError(f"the registry refused {where}: this machine's clock differs "
-                               "too much from the registry's; check NTP",
-                               adapter_id=self._adapter_id, cause="clock")
-        if code in _CREDENTIAL_CODES:
-            return SourceError(f"the registry refused the credentials for {where}: check the "
-                               "AWS credential chain", adapter_id=self._adapter_id,
-                               cause="credentials")
-        if status == 403:
-            return SourceError(f"access denied to {where}: check the credentials' permissions "
-                               "on the bucket", adapter_id=self._adapter_id, cause="permission")
-        if status >= 500 or status == 429 or code == "SlowDown":
+        if cause == "server":
             return SourceUnavailable(f"the registry failed on {where}",
-                                     adapter_id=self._adapter_id, cause="server")
-        return SourceError(f"the registry refused a ranged GET of {where}",
-                           adapter_id=self._adapter_id, cause="refused")
+                                     adapter_id=self._adapter_id, cause=cause)
+        again = " although it was just signed again" if after_resign else ""
+        refusals = {
+            "not_s3": f"the endpoint answered 404 without an S3 error to a GET of "
+                      f"{self._describe}: is it an S3 endpoint? Check --s3-endpoint-url",
+            "credentials_expired": f"the registry says the signature or session token for "
+                                   f"{where} expired{again} ({message or code}): check this "
+                                   "machine's clock (NTP) and that the credential source "
+                                   "renews short-lived credentials (STS, IRSA)",
+            "clock": f"the registry refused {where}: this machine's clock differs too much from "
+                     "the registry's; check NTP",
+            "credentials": f"the registry refused the credentials for {where}: check the AWS "
+                           "credential chain",
+            "permission": f"access denied to {where}: check the credentials' permissions on the "
+                          "bucket",
+            "refused": f"the registry refused a ranged GET of {where}",
+        }
+        return SourceError(refusals[cause], adapter_id=self._adapter_id, cause=cause)
 
     def fault(self, exc: BaseException) -> SidecarError:
         """The registry fault that an error of the connection or the HTTP layer means."""
@@ -276,11 +267,6 @@ class RangeReader:
         return SourceUnavailable(f"the connection to the registry failed while fetching "
                                  f"{self._describe} ({type(exc).__name__}: {exc})",
                                  adapter_id=self._adapter_id, cause="connection")
-
-
-def _is_expiry(status: int, code: str, message: str) -> bool:
-    return code in _EXPIRED_CODES or (
-        status == 403 and code == "AccessDenied" and "expired" in message.lower())
 
 
 def _error_of(response: urllib3.BaseHTTPResponse) -> tuple[str, str]:

@@ -44,8 +44,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import is_valid_adapter_id
-from .logs import fields
+from ..fsutil import fsync_dir
+from ..ids import is_valid_adapter_id
+from ..logs import fields
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ class LeaseJournal:
         self._write_base(lines)
         for stale in (self.compacting_path, self.path):
             stale.unlink(missing_ok=True)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         self._appended_bytes = 0
         self._merging = False
 
@@ -244,7 +245,7 @@ class LeaseJournal:
             self._write_base([grant.line for grant in grants.values()
                               if grant.ttl_s - (now_mono - grant.monotonic_s) > 0])
             self.compacting_path.unlink()
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
         except OSError as exc:
             log.warning("cannot compact the lease journal %s: %s", self.path,
                         exc.strerror or exc)
@@ -327,12 +328,6 @@ def _grant_line(digest: str, adapter_id: str, ttl_s: float, unix_s: float,
             f"{int(monotonic_s * 1000)}\n")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_all(fd: int, data: bytes) -> None:

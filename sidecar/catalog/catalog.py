@@ -18,16 +18,17 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from .config import Settings, TritonReload
+from ..cache.store import AdapterStore
+from ..config import Settings, TritonReload
+from ..errors import CatalogPending, CatalogReloading
+from ..fsutil import iso_utc
+from ..logs import fields
+from ..metrics import Metrics
+from ..validation.validate import Rules
 from .engine_state import EngineState, EngineTracker, LoadKind, LoadOutcome, Probe, Transition
-from .errors import CatalogPending, CatalogReloading
 from .generations import GenerationRecord, kept_bytes
-from .logs import fields
-from .metrics import Metrics
 from .names import Names
-from .store import AdapterStore, iso_utc
 from .triton_control import ModelControl, ReloadFailed, TritonControl
-from .validate import Rules
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import CacheOwned
+from ..errors import CacheOwned
 
 log = logging.getLogger(__name__)
 
-EXIT_CACHE_OWNED = 3  # the exit code of a `serve` refused because another owns the cache
 LOCK_NAME = ".lock"
 OWNER_NAME = ".owner.json"
 OWNER_MAX_BYTES = 4096

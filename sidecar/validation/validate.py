@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
+from ..config import LLAMA_TARGET_MODULES, Settings
+from ..errors import ConfigError
+from ..filehash import hash_file, open_regular
 from .adapter_config import LoraConfig, check_adapter_config
-from .config import LLAMA_TARGET_MODULES, Settings
-from .errors import ConfigError
 from .safetensors_check import TensorInfo, check_safetensors, shown
 from .shapes import ATTENTION_MODULES, ModelShapes
 from .values import Layout, NonFinite, ValueReport, scan_file
@@ -33,7 +34,6 @@ ALLOWED_FILES = frozenset({
 CONFIG_MAX_BYTES = 1024**2
 CHECKSUMS_MAX_BYTES = 64 * 1024
 MAX_PROBLEMS_PER_CODE = 20  # a header of a million bad tensors must not make a huge answer
-HASH_CHUNK_BYTES = 1024**2
 
 # torch.load runs pickles, and `weights_only=True` has been bypassed (CVE-2025-32434).
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -201,14 +201,7 @@ def _check_folder(folder: Path) -> tuple[list[Problem], set[str]]:
 
 def _open_regular(path: Path) -> BinaryIO:
     """Open for reading without following a link swapped in since the folder was listed."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path.name} is not a regular file")
-        return os.fdopen(fd, "rb", buffering=0)
-    except BaseException:
-        os.close(fd)
-        raise
+    return os.fdopen(open_regular(path), "rb", buffering=0)
 
 
 def _read_capped(path: Path, limit_bytes: int) -> bytes | None:
@@ -436,11 +429,7 @@ def _check_checksums(folder: Path, readable: set[str], sha256: Mapping[str, str]
 
 
 def _hash_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with _open_regular(path) as f:
-        while chunk := f.read(HASH_CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return hash_file(path).sha256
 
 
 # ---- results --------------------------------------------------------------------------------

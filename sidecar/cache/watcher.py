@@ -6,14 +6,11 @@ the loop by comparing its folder with the index, so the sidecar's own renames ne
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import math
 import os
 import stat
 import time
-import zlib
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,30 +29,21 @@ from watchdog.events import (
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 
-from .checksum import crc32_hex
-from .config import is_valid_adapter_id
-from .logs import fields
-from .metrics import Metrics
-from .store import (
-    CHECK_RULES,
-    CHECK_SHA256SUMS,
-    CHECK_VALUES,
-    RECORD_NAME,
-    AdapterRecord,
-    AdapterStore,
-    CachedAdapter,
-    FileRecord,
-    write_record,
-)
-from .validate import CHECKSUMS_FILE, WEIGHTS_FILE, Problem, Rules, validate_adapter
-from .values import ValueReport, ValueScan
+from ..filehash import hash_fd
+from ..ids import is_valid_adapter_id
+from ..logs import fields
+from ..metrics import Metrics
+from ..validation.validate import CHECKSUMS_FILE, WEIGHTS_FILE, Problem, Rules, validate_adapter
+from ..validation.values import ValueReport, ValueScan
+from .lru import CachedAdapter
+from .records import RECORD_NAME, AdapterRecord, Check, FileRecord, write_record
+from .store import AdapterStore
 
 log = logging.getLogger(__name__)
 
 COALESCE_S = 0.15  # the events of one burst are gathered this long, then each id is judged once
 SETTLE_S = 1.0  # a folder copied in is judged only after this long without a change
 ADOPT_CONCURRENCY = 2  # folders hashed and validated at once: the stager needs threads too
-HASH_CHUNK_BYTES = 1024 * 1024
 OBSERVER_POLL_S = 0.2  # how long watchdog's thread waits between checks for a stop
 ADOPTED_SOURCE = "adopted"  # `source` of the record written for a folder copied in
 
@@ -100,14 +88,12 @@ class Watcher:
         rules: Rules,
         metrics: Metrics,
         *,
-        on_trash: Callable[[], None],
         settle_s: float = SETTLE_S,
         coalesce_s: float = COALESCE_S,
     ) -> None:
         self._store = store
         self._rules = rules
         self._metrics = metrics
-        self._on_trash = on_trash
         self._settle_s = settle_s
         self._coalesce_s = coalesce_s
         self._root = str(store.adapters_dir) + os.sep
@@ -286,8 +272,8 @@ class Watcher:
                 self._quarantine(adapter_id, folder, before, f"not valid: {reason}",
                                  inspection.problems)
                 return
-            checks = (CHECK_RULES, CHECK_VALUES, CHECK_SHA256SUMS) if (
-                CHECKSUMS_FILE in inspection.files) else (CHECK_RULES, CHECK_VALUES)
+            checks = (Check.RULES, Check.VALUES, Check.SHA256SUMS) if (
+                CHECKSUMS_FILE in inspection.files) else (Check.RULES, Check.VALUES)
             record = AdapterRecord(adapter_id, ADOPTED_SOURCE, time.time(), inspection.files,
                                    checks)
             try:
@@ -309,8 +295,7 @@ class Watcher:
                  adapter_id, record.size_bytes, len(record.files), elapsed_s,
                  extra=fields(event="adopted", adapter_id=adapter_id,
                               size_bytes=record.size_bytes, duration_s=round(elapsed_s, 3)))
-        if store.trim():
-            self._on_trash()
+        store.trim()
 
     async def _inspect(self, folder: Path) -> _Inspection | None:
         """Hash and validate a folder (in threads); None if it changed while being read."""
@@ -395,25 +380,14 @@ def _snapshot(folder: Path) -> _Snapshot:
 def _hash_file(path: Path, scan_values: bool) -> tuple[int, str, str, ValueReport | None]:
     """(bytes read, CRC-32 hex, SHA-256 hex, and the tensor values' check when asked) of a
     regular file, in one pass, never following a link."""
-    digest = hashlib.sha256()
-    crc = 0
-    size_bytes = 0
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         scan = ValueScan(os.fstat(fd).st_size) if scan_values else None
-        feed = scan.stream(0) if scan is not None else None
-        buffer = bytearray(HASH_CHUNK_BYTES)
-        while got := os.readv(fd, [buffer]):
-            chunk = memoryview(buffer)[:got]
-            digest.update(chunk)
-            crc = zlib.crc32(chunk, crc)
-            if feed is not None:
-                feed(size_bytes, chunk)  # last: it may overwrite the chunk
-            size_bytes += got
+        digests = hash_fd(fd, feed=scan.stream(0) if scan is not None else None)
         report = scan.finish(fd) if scan is not None else None
     finally:
         os.close(fd)
-    return size_bytes, crc32_hex(crc), digest.hexdigest(), report
+    return digests.size_bytes, digests.crc32, digests.sha256, report
 
 
 def _write_record_into(folder: Path, expected: os.stat_result, record: AdapterRecord) -> bool:

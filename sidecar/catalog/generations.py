@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save
 
-from .shapes import ATTENTION_MODULES, ModelShapes
-from .store import fsync_dir
+from ..fsutil import fsync_dir
+from ..validation.shapes import ATTENTION_MODULES, ModelShapes
 
 CATALOG_DIR = "catalog"
 JOURNAL_FILE = "journal.json"

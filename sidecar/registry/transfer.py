@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from ..errors import SidecarError, SourceUnavailable
 from .checksum import crc32_combine
-from .errors import SidecarError, SourceUnavailable
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

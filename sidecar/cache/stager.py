@@ -12,8 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import is_valid_adapter_id
-from .errors import (
+from ..errors import (
     AdapterNotFound,
     CacheFull,
     CacheUnwritable,
@@ -24,26 +23,12 @@ from .errors import (
     SidecarError,
     StageTimeout,
 )
-from .logs import fields
-from .metrics import Metrics
-from .source import AdapterSource, FetchedFile, Listing, RemoteFile
-from .store import (
-    CHECK_REGISTRY,
-    CHECK_RULES,
-    CHECK_SHA256SUMS,
-    CHECK_VALUES,
-    RECORD_NAME,
-    AdapterRecord,
-    AdapterStore,
-    CachedAdapter,
-    FileRecord,
-    Lease,
-    fsync_dir,
-    iso_utc,
-    remove_tree,
-    write_record,
-)
-from .validate import (
+from ..fsutil import fsync_dir, iso_utc, remove_tree
+from ..ids import is_valid_adapter_id
+from ..logs import fields
+from ..metrics import Metrics
+from ..registry.base import AdapterSource, FetchedFile, Listing, RemoteFile
+from ..validation.validate import (
     CHECKSUMS_FILE,
     WEIGHTS_FILE,
     Problem,
@@ -51,7 +36,11 @@ from .validate import (
     check_file_name,
     validate_adapter,
 )
-from .values import ValueReport, ValueScan, finish_scan
+from ..validation.values import ValueReport, ValueScan, finish_scan
+from .leases import Lease
+from .lru import CachedAdapter
+from .records import RECORD_NAME, AdapterRecord, Check, FileRecord, write_record
+from .store import AdapterStore
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +76,6 @@ class Stager:
         *,
         refusal_ttl_s: float,
         not_found_ttl_s: float = 0.0,
-        on_trash: Callable[[], None],
         on_source_result: Callable[[SidecarError | None], None] = lambda _: None,
     ) -> None:
         self._store = store
@@ -96,7 +84,6 @@ class Stager:
         self._metrics = metrics
         self._refusal_ttl_s = refusal_ttl_s
         self._not_found_ttl_s = not_found_ttl_s
-        self._on_trash = on_trash
         self._on_source_result = on_source_result
         self._inflight: dict[str, asyncio.Task[None]] = {}
         # Verdicts answered again without a fetch until they expire (monotonic seconds): a
@@ -243,7 +230,6 @@ class Stager:
     # ---- the one task per adapter -----------------------------------------------------
 
     async def _stage_once(self, adapter_id: str) -> None:
-        self._metrics.inflight_downloads.inc()
         started = time.perf_counter()
         staging: Path | None = None
         reservation = None
@@ -281,8 +267,7 @@ class Stager:
                                   files=len(listing.files), duration_s=round(elapsed, 3)))
             # Trimmed in the same loop step as the publication, never after an await: no
             # request may see the cache over budget with an adapter nothing protects.
-            if self._store.trim():
-                self._on_trash()
+            self._store.trim()
             await asyncio.to_thread(fsync_dir, self._store.adapters_dir)
         except SidecarError as exc:
             _log_failure(adapter_id, exc, time.perf_counter() - started)
@@ -292,7 +277,6 @@ class Stager:
             _log_failure(adapter_id, error, time.perf_counter() - started)
             raise error from exc
         finally:
-            self._metrics.inflight_downloads.dec()
             if reservation is not None:
                 self._store.unreserve(reservation)
             if staging is not None:
@@ -448,11 +432,11 @@ def _remove_all(folders: list[Path]) -> None:
 
 
 def _checks_passed(listing: Listing, fetched: list[FetchedFile]) -> tuple[str, ...]:
-    checks = [CHECK_RULES, CHECK_VALUES]
+    checks = [Check.RULES, Check.VALUES]
     if any(got.registry_crc32 or got.registry_sha256 for got in fetched):
-        checks.append(CHECK_REGISTRY)
+        checks.append(Check.REGISTRY)
     if any(f.name == CHECKSUMS_FILE for f in listing.files):
-        checks.append(CHECK_SHA256SUMS)
+        checks.append(Check.SHA256SUMS)
     return tuple(checks)
 
 

@@ -12,14 +12,20 @@ import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from ..errors import AdapterNotFound, SourceChanged, SourceUnavailable
+from ..ids import is_valid_adapter_id
+from .base import FetchedFile, Listing, RemoteFile, SkippedFolders, is_safe_file_name
 from .checksum import crc32_hex
-from .config import is_valid_adapter_id
-from .errors import AdapterNotFound, SourceChanged, SourceUnavailable
-from .source import FetchedFile, Listing, RemoteFile, SkippedFolders, is_safe_file_name
 from .transfer import Inspector, TransferPolicy, download, open_in_thread
 
+if TYPE_CHECKING:
+    from ..config import Settings
+
 log = logging.getLogger(__name__)
+
+LOCATION = "a local folder"
 
 
 class LocalSource:
@@ -158,3 +164,12 @@ class _FileRange:
 
     def abort(self) -> None:
         return None
+
+
+def check_location(location: str) -> None:
+    """Any path may name a folder; whether it exists is judged at start (preflight.py)."""
+
+
+def open_source(settings: Settings, policy: TransferPolicy, on_error: Callable[[str], None],
+                on_skipped: Callable[[int], None]) -> LocalSource:
+    return LocalSource(Path(settings.registry).expanduser().absolute(), policy, on_skipped)

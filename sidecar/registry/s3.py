@@ -1,134 +1,42 @@
-"""The registry: where adapters come from. The `AdapterSource` protocol, and its S3
-implementation (the only module that imports aiobotocore; botocore errors stop here).
+"""The S3 registry: adapters under s3://bucket/prefix/<adapter_id>/<file> (the only module
+that imports aiobotocore; botocore errors stop here).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import posixpath
 import re
 from collections.abc import Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 from botocore import exceptions as bce
 
-from .checksum import crc32_hex, s3_checksum_hex
-from .config import ADAPTER_ID_PATTERN, Settings, hide_password, is_valid_adapter_id
-from .errors import (
+from ..config import Settings, hide_password
+from ..errors import (
     AdapterNotFound,
     SidecarError,
     SourceChanged,
     SourceError,
     SourceUnavailable,
 )
+from ..ids import is_valid_adapter_id
+from .base import FetchedFile, Listing, RemoteFile, SkippedFolders, is_safe_file_name
+from .checksum import crc32_hex, s3_checksum_hex
 from .httpranges import ConnectionPool, RangeReader
-from .logs import fields
 from .proxies import botocore_proxies
+from .s3errors import s3_cause
 from .transfer import Inspector, TransferPolicy, download
 
 log = logging.getLogger(__name__)
 
 PRESIGNED_URL_TTL_S = 3600  # longer than any one file's download
 _MULTIPART_ETAG = re.compile(r'-[0-9]+"?$')
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteFile:
-    """One file of an adapter as the registry lists it."""
-
-    name: str  # plain file name inside the adapter folder
-    size_bytes: int
-    etag: str  # what must not change between listing and fetch
-    locator: str  # S3 key or local path
-
-
-@dataclass(frozen=True, slots=True)
-class FetchedFile:
-    crc32: str  # of the bytes written, 8 hex digits
-    sha256: str | None  # of the bytes written, when the registry has a SHA-256 to check
-    registry_crc32: str | None = None  # the registry's own full-object checksums, if kept
-    registry_sha256: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Listing:
-    files: list[RemoteFile]
-    unsafe_names: list[str]  # keys that would leave the adapter folder: never fetched
-
-
-class AdapterSource(Protocol):
-    description: str
-
-    async def list_adapter_ids(self) -> list[str]: ...
-
-    async def list_files(self, adapter_id: str) -> Listing:
-        """Raises AdapterNotFound when the registry has nothing under this id."""
-        ...
-
-    async def fetch(
-        self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None],
-        *, inspect: Inspector | None = None, sha256: bool = False,
-    ) -> FetchedFile:
-        """Download one file; `inspect` sees its bytes as they land (the value check);
-        `sha256` asks for their SHA-256 (to check a SHA256SUMS) even if the registry has none."""
-        ...
-
-    async def probe(self) -> None:
-        """Raise a SidecarError if the registry cannot be used right now."""
-        ...
-
-    async def close(self) -> None: ...
-
-
-SHOWN_SKIPPED = 20  # folder names quoted in one log line
-
-
-class SkippedFolders:
-    """Registry folders a listing leaves out (names that are not adapter ids): logged once
-    each time the set changes, not at every listing, and counted in a gauge."""
-
-    def __init__(self, description: str, on_count: Callable[[int], None] | None) -> None:
-        self._description = description
-        self._on_count = on_count
-        self._last: frozenset[str] = frozenset()
-
-    def note(self, skipped: list[str]) -> None:
-        names = frozenset(skipped)
-        if self._on_count is not None:
-            self._on_count(len(names))
-        if names == self._last:
-            return
-        self._last = names
-        if not names:
-            log.info("registry %s: no folder is skipped any more", self._description)
-            return
-        shown = ", ".join(repr(name[:100]) for name in sorted(names)[:SHOWN_SKIPPED])
-        more = f" (+{len(names) - SHOWN_SKIPPED} more)" if len(names) > SHOWN_SKIPPED else ""
-        log.warning("registry %s: skipping %d folder(s) that cannot be adapters (ids match "
-                    "%s): %s%s", self._description, len(names), ADAPTER_ID_PATTERN.pattern,
-                    shown, more, extra=fields(event="registry_folders_skipped",
-                                              skipped=len(names)))
-
-
-_NAME_RE = re.compile(r"^[A-Za-z0-9._-][A-Za-z0-9._ -]{0,254}$")
-
-
-def is_safe_file_name(name: str) -> bool:
-    """A plain name that stays inside its folder: no separators, no `..`, no absolute path."""
-    return (
-        bool(_NAME_RE.fullmatch(name))
-        and name not in (".", "..")
-        and "/" not in name
-        and "\\" not in name
-        and posixpath.basename(name) == name
-    )
 
 
 class S3Source:
@@ -313,45 +221,36 @@ class S3Source:
         where = self.description
         if isinstance(exc, bce.ClientError):
             code = str(exc.response.get("Error", {}).get("Code", ""))
+            message = str(exc.response.get("Error", {}).get("Message", ""))
             status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-            if status == 404 and (not code or code.isdigit()) and operation != "head":
-                # S3 answers every 404 but a HEAD's with an XML error naming its code; botocore
-                # gives the bare status as the code when there is none.
-                return SourceError(f"the endpoint {self._endpoint()} answered 404 without an "
-                                   f"S3 error to a {operation} of {where}: is it an S3 "
-                                   "endpoint? Check --s3-endpoint-url", adapter_id=adapter_id,
-                                   cause="not_s3")
-            if code in ("ExpiredToken", "TokenRefreshRequired", "RequestExpired"):
-                return SourceError(f"the registry {where} says the credentials expired "
-                                   f"({code}): check this machine's clock (NTP) and that the "
-                                   "credential source renews short-lived credentials (STS, "
-                                   "IRSA)", adapter_id=adapter_id, cause="credentials_expired")
-            if code == "RequestTimeTooSkewed":
-                return SourceError(f"the registry {where} refused the request: this machine's "
-                                   "clock differs too much from the registry's; check NTP",
-                                   adapter_id=adapter_id, cause="clock")
-            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken"):
-                return SourceError(f"the registry {where} refused the credentials ({code}): "
-                                   "check the AWS credential chain", adapter_id=adapter_id,
-                                   cause="credentials")
-            if code in ("AccessDenied", "AllAccessDisabled") or status == 403:
-                return SourceError(f"access denied to {where} ({code or status}): check the "
-                                   "credentials' permissions on the bucket",
-                                   adapter_id=adapter_id, cause="permission")
-            if code == "NoSuchBucket":
-                return SourceError(f"the bucket {self.bucket!r} does not exist at "
-                                   f"{self._endpoint()}", adapter_id=adapter_id, cause="bucket")
-            if code in ("PreconditionFailed", "NoSuchKey") or status in (404, 412):
+            cause = s3_cause(status, code, message, head=operation == "head")
+            if cause == "object_changed":
                 what = f"an object of {adapter_id}" if adapter_id else "an object"
                 return SourceChanged(f"{what} changed or vanished in {where} while it was "
                                      f"being fetched ({code or status})",
-                                     adapter_id=adapter_id, cause="object_changed")
-            if status >= 500 or code in ("SlowDown", "InternalError", "ServiceUnavailable"):
+                                     adapter_id=adapter_id, cause=cause)
+            if cause == "server":
                 return SourceUnavailable(f"the registry {where} failed ({code or status}) "
                                          f"after {self._settings.s3_max_attempts} attempts",
-                                         adapter_id=adapter_id, cause="server")
-            return SourceError(f"the registry {where} refused {operation} ({code or status}): "
-                               f"{exc}", adapter_id=adapter_id, cause="refused")
+                                         adapter_id=adapter_id, cause=cause)
+            refusals = {
+                "not_s3": f"the endpoint {self._endpoint()} answered 404 without an S3 error to "
+                          f"a {operation} of {where}: is it an S3 endpoint? Check "
+                          "--s3-endpoint-url",
+                "credentials_expired": f"the registry {where} says the credentials expired "
+                                       f"({code}): check this machine's clock (NTP) and that "
+                                       "the credential source renews short-lived credentials "
+                                       "(STS, IRSA)",
+                "clock": f"the registry {where} refused the request: this machine's clock "
+                         "differs too much from the registry's; check NTP",
+                "credentials": f"the registry {where} refused the credentials ({code}): check "
+                               "the AWS credential chain",
+                "permission": f"access denied to {where} ({code or status}): check the "
+                              "credentials' permissions on the bucket",
+                "bucket": f"the bucket {self.bucket!r} does not exist at {self._endpoint()}",
+                "refused": f"the registry {where} refused {operation} ({code or status}): {exc}",
+            }
+            return SourceError(refusals[cause], adapter_id=adapter_id, cause=cause)
         if isinstance(exc, bce.NoCredentialsError | bce.PartialCredentialsError):
             return SourceError("no usable AWS credentials: set AWS_ACCESS_KEY_ID and "
                                "AWS_SECRET_ACCESS_KEY, a profile, or an instance role",
@@ -386,3 +285,18 @@ def _checksum(response: dict[str, Any], algorithm: str) -> str | None:
     if _MULTIPART_ETAG.search(str(response.get("ETag", ""))) and checksum_type != "FULL_OBJECT":
         return None
     return s3_checksum_hex(response.get(f"Checksum{algorithm}"), checksum_type)
+
+
+LOCATION = "s3://bucket/prefix"
+
+
+def check_location(location: str) -> None:
+    """Raise ValueError if `location` cannot name an S3 registry."""
+    bucket = location.removeprefix("s3://").split("/", 1)[0]
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
+        raise ValueError(f"{bucket!r} is not a valid S3 bucket name")
+
+
+def open_source(settings: Settings, policy: TransferPolicy, on_error: Callable[[str], None],
+                on_skipped: Callable[[int], None]) -> S3Source:
+    return S3Source(settings, policy, on_error, on_skipped)

@@ -15,8 +15,11 @@ import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from .config import Settings
-from .errors import CatalogPending
+from ..cache.store import AdapterStore
+from ..config import Settings
+from ..errors import CatalogPending
+from ..logs import fields
+from ..validation.validate import Rules, validate_adapter
 from .generations import (
     CATALOG_DIR,
     NOOP_DIR,
@@ -41,10 +44,7 @@ from .generations import (
     write_atomically,
     write_journal,
 )
-from .logs import fields
 from .read_watch import Key, ReadWatch
-from .store import AdapterStore
-from .validate import Rules, validate_adapter
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .errors import SidecarError
-from .source import AdapterSource
-from .store import iso_utc
+from ..errors import SidecarError
+from ..fsutil import iso_utc
+from ..registry.base import AdapterSource
 
 log = logging.getLogger(__name__)
 

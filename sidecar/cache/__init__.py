@@ -1,0 +1,1 @@
+"""The disk cache: records, recovery, LRU order, leases, budget, publish/evict, single flight."""

@@ -1,0 +1,103 @@
+"""Start-up recovery: re-index the cache's published folders, take back the lease journal and
+trim to the budget, one folder at a time in threads while the port already answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from ..logs import fields
+from ..validation.validate import Rules, validate_adapter
+from .lease_journal import JournalLease, LeaseJournal
+from .records import AdapterRecord, Check, add_verified
+from .store import AdapterStore
+
+log = logging.getLogger(__name__)
+
+
+async def recover(
+    store: AdapterStore,
+    rules: Rules,
+    *,
+    pins: Iterable[str],
+    max_leases: int,
+    lease_ttl_s: float,
+    on_problem: Callable[[str], None],
+    on_progress: Callable[[int, int], None],
+) -> None:
+    """Re-index the cache. Costs a stat per file and the headers per adapter, whatever the
+    adapters' bytes. `on_problem` hears why the cache cannot be used (readiness)."""
+    started = time.perf_counter()
+    try:
+        await asyncio.to_thread(store.prepare)
+    except OSError as exc:
+        on_problem(f"cannot prepare the cache root {store.root}: {exc.strerror or exc}")
+        if not store.adapters_dir.is_dir():
+            return
+    journal = LeaseJournal(store.journal_path, max_leases=max_leases)
+    leases = await _read_journal(journal, lease_ttl_s)
+    try:
+        folders = await asyncio.to_thread(store.published_folders)
+    except OSError as exc:
+        on_problem(f"cannot read {store.adapters_dir}: {exc.strerror or exc}")
+        return
+    on_progress(0, len(folders))
+    log.info("recovering the cache: %d adapter folders, %d leases in the journal",
+             len(folders), len(leases))
+
+    def check(folder: Path, record: AdapterRecord) -> list[str]:
+        # The rules may have changed since publication: re-checked from the config and
+        # the safetensors header. The bytes are vouched for by the record (no hashing);
+        # their values are read once for a record of a version that did not check them.
+        scan = Check.VALUES not in record.verified
+        problems = [f"{p.code} {p.file}: {p.message}"
+                    for p in validate_adapter(folder, rules, checksums=False,
+                                              scan_values=scan)]
+        if scan and not problems:
+            add_verified(folder, record, Check.VALUES)
+        return problems
+
+    records, quarantined = [], 0
+    for checked, folder in enumerate(folders, start=1):
+        try:
+            records.append(await asyncio.to_thread(store.recover_folder, folder, check))
+        except ValueError:
+            quarantined += 1  # logged by the quarantine
+        except OSError as exc:
+            quarantined += 1
+            log.warning("cannot quarantine adapter folder %s: %s", folder.name,
+                        exc.strerror or exc)
+        on_progress(checked, len(folders))
+    for adapter_id in pins:
+        store.pin(adapter_id)
+    store.install(records)
+    restored = store.restore_leases(leases)
+    store.journal = journal
+    try:
+        # Nothing can lease yet (the API waits for recovery), so off the loop is safe.
+        await asyncio.to_thread(journal.reset, store.live_leases())
+    except OSError as exc:
+        journal.failed = True
+        log.warning("cannot write the lease journal %s (%s): leases will not survive a "
+                    "restart", journal.path, exc.strerror or exc)
+    evicted = store.trim()
+    elapsed_s = time.perf_counter() - started
+    log.info("recovered cache in %.2fs: adopted=%d quarantined=%d leases=%d "
+             "evicted_to_budget=%d bytes=%d", elapsed_s, len(records), quarantined,
+             restored, len(evicted), store.total_bytes,
+             extra=fields(event="recovered", adapters=len(records), quarantined=quarantined,
+                          leases=restored, duration_s=round(elapsed_s, 3)))
+
+
+async def _read_journal(journal: LeaseJournal, lease_ttl_s: float) -> list[JournalLease]:
+    try:
+        return await asyncio.to_thread(journal.load, lease_ttl_s)
+    except OSError as exc:
+        log.warning("cannot read the lease journal %s (%s): leases granted before this "
+                    "start are not known, and their adapters may be evicted",
+                    journal.path, exc.strerror or exc)
+        return []

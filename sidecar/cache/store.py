@@ -1,0 +1,485 @@
+"""The disk cache: index of published adapters, pins and claims, budget, publish and evict.
+
+State changes happen only on the event loop and only together with the one `rename()` that
+makes them true on disk, so the index and the folder under `adapters/` never disagree.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import Enum
+from pathlib import Path
+
+from ..config import format_size
+from ..errors import AdapterInUse, CacheFull, NotCached
+from ..fsutil import remove_tree
+from ..logs import fields
+from ..metrics import Metrics
+from .lease_journal import JOURNAL_NAME, JournalLease, LeaseJournal
+from .leases import Lease, LeaseTable
+from .lru import CachedAdapter, LruIndex, eviction_order
+from .records import (
+    RECORD_NAME,
+    AdapterRecord,
+    RecordStale,
+    read_record,
+    reverified,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Eviction:
+    adapter_id: str
+    freed_bytes: int
+    reason: EvictReason
+    broken_leases: list[str]
+
+
+@dataclass(slots=True)
+class Reservation:
+    adapter_id: str
+    size_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSnapshot:
+    """The cache's fill and budget at one moment."""
+
+    cache_bytes: int
+    cache_adapters: int
+    capacity_bytes: int
+    capacity_adapters: int
+    pinned_adapters: int
+    active_leases: int
+
+
+class EvictReason(Enum):
+    LRU = "lru"
+    MANUAL = "manual"
+    FORCED = "forced"
+    EXTERNAL = "external"
+
+
+class AdapterStore:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        max_bytes: int,
+        max_adapters: int,
+        min_free_bytes: int,
+        lease_ttl_s: float,
+        metrics: Metrics,
+        max_leases: int = 100_000,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.root = root
+        self.adapters_dir = root / "adapters"
+        self.staging_dir = root / ".staging"
+        self.trash_dir = root / ".trash"
+        self.quarantine_dir = root / ".quarantine"
+        self.max_bytes = max_bytes
+        self.max_adapters = max_adapters
+        self.min_free_bytes = min_free_bytes
+        self.lease_ttl_s = lease_ttl_s
+        self._metrics = metrics
+        self._clock = clock  # the wall clock: staged_at, last_used, what callers read
+        self._monotonic = monotonic  # lease expiry: immune to the wall clock being stepped
+        self._index = LruIndex()
+        self._leases = LeaseTable(lease_ttl_s, max_leases, metrics, clock, monotonic)
+        self._claims: dict[str, int] = {}  # callers waiting to lease an adapter being staged
+        self._reservations: list[Reservation] = []
+        self._pins: set[str] = set()
+        self._trash_pending: list[Path] = []
+        # The catalog's hooks: before a published folder leaves adapters/ (a bound spare name
+        # keeps its files), and after one vanished or changed outside the sidecar.
+        self.before_evict: Callable[[str, Path], None] = lambda adapter_id, folder: None
+        self.after_forget: Callable[[str], None] = lambda adapter_id: None
+        # The process's: delete what take_trash returns, off the loop (after trim evicted).
+        self.on_trash: Callable[[], None] = lambda: None
+
+    @property
+    def journal_path(self) -> Path:
+        return self.root / JOURNAL_NAME
+
+    # ---- start-up ----------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Create the layout and empty `.staging/` and `.trash/` (blocking: run in a thread)."""
+        for folder in (self.adapters_dir, self.staging_dir, self.trash_dir):
+            folder.mkdir(parents=True, exist_ok=True)
+        for folder in (self.staging_dir, self.trash_dir):
+            for entry in list(folder.iterdir()):
+                remove_tree(entry)
+        own_probe = f".write-probe.{os.getpid()}"  # the health check's, running meanwhile
+        for probe in self.root.glob(".write-probe.*"):  # left by a process killed mid-probe
+            if probe.name != own_probe:
+                probe.unlink(missing_ok=True)
+
+    def published_folders(self) -> list[Path]:
+        """Every entry of `adapters/` (blocking: run in a thread)."""
+        return sorted(self.adapters_dir.iterdir())
+
+    def recover_folder(
+        self, entry: Path, check: Callable[[Path, AdapterRecord], list[str]]
+    ) -> AdapterRecord:
+        """Read one published folder's record and check it (blocking: run in a thread).
+
+        A record whose files keep their recorded sizes and times is trusted: the bytes passed
+        their checksums before publication and nothing has written them since, so only
+        `check` (the rules, from headers) runs. Files with other times are re-read once and
+        compared with their recorded CRC-32s. A folder without a valid record, with other
+        files, or with problems is quarantined (ValueError says why).
+        """
+        try:
+            if entry.is_dir() and not entry.is_symlink():
+                (entry / f"{RECORD_NAME}.new").unlink(missing_ok=True)  # a rewrite cut short
+            try:
+                record = self.read_record(entry)
+            except RecordStale as stale:
+                record = reverified(entry, stale)
+            problems = check(entry, record)
+            if problems:
+                raise ValueError("; ".join(problems))
+        except (ValueError, OSError) as exc:
+            reason = str(exc) if isinstance(exc, ValueError) else (
+                f"cannot read it: {exc.strerror or exc}")
+            self.quarantine(entry, reason)
+            raise ValueError(reason) from None
+        return record
+
+    def read_record(self, folder: Path) -> AdapterRecord:
+        """The folder's record, checked against the files present (stat only, no hashing)."""
+        return read_record(folder)
+
+    def install(self, records: Iterable[AdapterRecord]) -> None:
+        """Put recovered records into the index, oldest staged first (the LRU order)."""
+        for record in sorted(records, key=lambda r: r.staged_at):
+            self._index.add_newest(CachedAdapter(
+                record, last_used=record.staged_at, pinned=record.adapter_id in self._pins
+            ))
+
+    def quarantine(self, folder: Path, reason: str) -> Path:
+        """Move a folder out of `adapters/` for an operator to inspect (blocking, a rename)."""
+        self.quarantine_dir.mkdir(parents=True, exist_ok=True)
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S")
+        target = self.quarantine_dir / f"{folder.name}.{stamp}.{secrets.token_hex(3)}"
+        os.rename(folder, target)
+        self._metrics.quarantined.inc()
+        log.warning("quarantined adapter folder %s -> %s: %s", folder.name, target, reason,
+                    extra=fields(event="quarantined", adapter_id=folder.name, reason=reason))
+        return target
+
+    # ---- lookups -----------------------------------------------------------------------
+
+    def get(self, adapter_id: str) -> CachedAdapter | None:
+        return self._index.get(adapter_id)
+
+    def adapters(self) -> list[CachedAdapter]:
+        """Every cached adapter, most recently used first."""
+        return list(reversed(self._index.values()))
+
+    def path_of(self, adapter_id: str) -> Path:
+        return self.adapters_dir / adapter_id
+
+    def is_pinned(self, adapter_id: str) -> bool:
+        return adapter_id in self._pins
+
+    def snapshot(self) -> CacheSnapshot:
+        return CacheSnapshot(
+            cache_bytes=sum(a.size_bytes for a in self._index.values()),
+            cache_adapters=len(self._index),
+            capacity_bytes=self.max_bytes,
+            capacity_adapters=self.max_adapters,
+            pinned_adapters=sum(1 for a in self._index.values() if a.pinned),
+            active_leases=len(self._leases),
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(a.size_bytes for a in self._index.values())
+
+    # ---- hit path: lookup, LRU touch, lease ---------------------------------------------
+
+    def lease(self, adapter_id: str) -> Lease:
+        """Touch and lease a cached adapter (KeyError if it is not cached). The grant is in
+        the journal before this returns, so it outlives a crash of the process."""
+        adapter = self._index[adapter_id]
+        now = self._clock()
+        adapter.last_used = now
+        self._index.touch(adapter_id)
+        return self._leases.grant(adapter_id, now)
+
+    def touch(self, adapter_id: str) -> None:
+        adapter = self._index[adapter_id]
+        adapter.last_used = self._clock()
+        self._index.touch(adapter_id)
+
+    def release(self, lease_id: str) -> Lease:
+        return self._leases.release(lease_id)
+
+    def expire_leases(self) -> list[Lease]:
+        return self._leases.expire()
+
+    def next_lease_expiry(self) -> float | None:
+        """On the store's monotonic clock."""
+        return self._leases.next_expiry()
+
+    def seconds_to_next_expiry(self) -> float | None:
+        first = self._leases.next_expiry()
+        return None if first is None else first - self._monotonic()
+
+    def lease_count(self, adapter_id: str) -> int:
+        return self._leases.count_of(adapter_id)
+
+    def restore_leases(self, leases: Iterable[JournalLease]) -> int:
+        """Take back the leases a previous process granted, for adapters still in the index;
+        before any trim. Returns how many were restored."""
+        return self._leases.restore(
+            lease for lease in leases if lease.adapter_id in self._index)
+
+    @property
+    def live_lease_count(self) -> int:
+        return len(self._leases)
+
+    def live_leases(self) -> list[tuple[str, str, float]]:
+        """(digest, adapter_id, remaining seconds) of every live lease, for the journal."""
+        return self._leases.live()
+
+    @property
+    def max_leases(self) -> int:
+        return self._leases.max_leases
+
+    @max_leases.setter
+    def max_leases(self, value: int) -> None:
+        self._leases.max_leases = value
+
+    @property
+    def journal(self) -> LeaseJournal | None:
+        return self._leases.journal
+
+    @journal.setter
+    def journal(self, journal: LeaseJournal | None) -> None:
+        self._leases.journal = journal
+
+    # ---- claims: a caller that will lease an adapter once its stage finishes ------------
+
+    def claim(self, adapter_id: str) -> None:
+        self._claims[adapter_id] = self._claims.get(adapter_id, 0) + 1
+
+    def unclaim(self, adapter_id: str) -> None:
+        left = self._claims.get(adapter_id, 0) - 1
+        if left > 0:
+            self._claims[adapter_id] = left
+        else:
+            self._claims.pop(adapter_id, None)
+
+    def is_protected(self, adapter_id: str) -> bool:
+        """Never evicted to make room: pinned, leased, or about to be leased."""
+        return (
+            adapter_id in self._pins
+            or self._leases.holds(adapter_id)
+            or adapter_id in self._claims
+        )
+
+    # ---- pins --------------------------------------------------------------------------
+
+    def pin(self, adapter_id: str) -> None:
+        self._pins.add(adapter_id)
+        if adapter_id in self._index:
+            self._index[adapter_id].pinned = True
+
+    def unpin(self, adapter_id: str) -> bool:
+        was = adapter_id in self._pins
+        self._pins.discard(adapter_id)
+        if adapter_id in self._index:
+            self._index[adapter_id].pinned = False
+        return was
+
+    # ---- budget ------------------------------------------------------------------------
+
+    def reserve(self, adapter_id: str, size_bytes: int) -> Reservation:
+        """Hold room for a download, or raise CacheFull saying why it cannot fit.
+
+        Room is counted against the budget minus what can never be evicted (pinned or
+        leased adapters) and minus other downloads in progress; nothing is evicted here.
+        """
+        held = [a for a in self._index.values() if self.is_protected(a.adapter_id)]
+        held_bytes = sum(a.size_bytes for a in held)
+        others = [r for r in self._reservations if r.adapter_id != adapter_id]
+        reserved_bytes = sum(r.size_bytes for r in others)
+        room_bytes = self.max_bytes - held_bytes - reserved_bytes
+        # Leases end and downloads finish; pins stay until an operator removes them.
+        pinned = [a for a in self._index.values() if a.adapter_id in self._pins]
+        pinned_bytes = sum(a.size_bytes for a in pinned)
+        if size_bytes > room_bytes:
+            raise CacheFull(
+                f"adapter {adapter_id} needs {format_size(size_bytes)} but only "
+                f"{format_size(max(room_bytes, 0))} of the {format_size(self.max_bytes)} budget "
+                f"(--max-bytes) can be made free ({format_size(held_bytes)} are held by "
+                f"{len(held)} pinned or leased adapters, {format_size(reserved_bytes)} by "
+                "downloads in progress)",
+                adapter_id=adapter_id,
+                retryable=size_bytes <= self.max_bytes - pinned_bytes,
+            )
+        if len(held) + len(others) + 1 > self.max_adapters:
+            raise CacheFull(
+                f"adapter {adapter_id} cannot fit: the budget is {self.max_adapters} adapters "
+                f"and {len(held)} are pinned or leased, {len(others)} more are downloading",
+                adapter_id=adapter_id,
+                retryable=len(pinned) < self.max_adapters,
+            )
+        self._make_disk_room(adapter_id, size_bytes + reserved_bytes)
+        reservation = Reservation(adapter_id, size_bytes)
+        self._reservations.append(reservation)
+        return reservation
+
+    def unreserve(self, reservation: Reservation) -> None:
+        if reservation in self._reservations:
+            self._reservations.remove(reservation)
+
+    def _make_disk_room(self, adapter_id: str, needed_bytes: int) -> None:
+        """Evict LRU adapters until the disk will hold `needed_bytes` above the free-space floor.
+
+        An evicted folder frees its blocks only once it is deleted from `.trash/` (the caller
+        does that, through take_trash, before writing), so free space is counted as measured
+        plus what the victims hold. Nothing is evicted if even every candidate would not do.
+        """
+        free = shutil.disk_usage(self.root).free - self.min_free_bytes
+        victims: list[str] = []
+        freed = 0
+        for candidate in eviction_order(self._index, self.is_protected):
+            if free + freed >= needed_bytes:
+                break
+            victims.append(candidate.adapter_id)
+            freed += candidate.size_bytes
+        if free + freed < needed_bytes:
+            raise CacheFull(
+                f"adapter {adapter_id} needs {format_size(needed_bytes)} on disk but the cache "
+                f"filesystem has {format_size(max(free, 0))} free above the "
+                f"{format_size(self.min_free_bytes)} floor (--min-free-disk), and evicting every "
+                f"unpinned, unleased adapter would free only {format_size(freed)} more; nothing "
+                "was evicted",
+                adapter_id=adapter_id,
+                retryable=needed_bytes <= shutil.disk_usage(self.root).total - self.min_free_bytes,
+            )
+        for victim in victims:
+            self._evict_now(victim, EvictReason.LRU)
+
+    def trim(self) -> list[Eviction]:
+        """Evict in eviction order until the cache is within its budget, then hand the
+        evicted folders to `on_trash` for deletion off the loop."""
+        evicted = []
+        while len(self._index) > self.max_adapters or self.total_bytes > self.max_bytes:
+            victim = next(eviction_order(self._index, self.is_protected), None)
+            if victim is None:
+                break  # what is left is pinned or leased; trimmed again on release
+            evicted.append(self._evict_now(victim.adapter_id, EvictReason.LRU))
+        if evicted:
+            self.on_trash()
+        return evicted
+
+    # ---- publish and evict -------------------------------------------------------------
+
+    def new_staging_dir(self, adapter_id: str) -> Path:
+        path = self.staging_dir / f"{adapter_id}.{secrets.token_hex(6)}"
+        path.mkdir(mode=0o755)
+        return path
+
+    def publish(self, staging: Path, record: AdapterRecord) -> CachedAdapter:
+        """Rename a complete, fsynced, validated staging folder into place and index it.
+
+        The caller fsyncs the files and the staging folder first, and `adapters/` after.
+        """
+        final = self.path_of(record.adapter_id)
+        if final.exists():
+            # Left by someone else (an operator copy the watcher has not seen yet): ours is
+            # validated; theirs goes to quarantine rather than being overwritten in place.
+            self.quarantine(final, "replaced by a fresh stage")
+        os.rename(staging, final)
+        adapter = CachedAdapter(record, last_used=self._clock(),
+                                pinned=record.adapter_id in self._pins)
+        self._index.add_newest(adapter)
+        return adapter
+
+    def adopt(self, record: AdapterRecord) -> CachedAdapter:
+        """Index a folder that appeared under `adapters/` and passed validation."""
+        adapter = CachedAdapter(record, last_used=self._clock(),
+                                pinned=record.adapter_id in self._pins)
+        self._index.add_oldest(adapter)
+        return adapter
+
+    def evict(self, adapter_id: str, *, force: bool) -> Eviction:
+        """Operator eviction: refused while pinned or leased unless forced."""
+        if adapter_id not in self._index:
+            raise NotCached(f"adapter {adapter_id} is not in the cache", adapter_id=adapter_id)
+        leases = self._leases.ids_of(adapter_id)
+        pinned = adapter_id in self._pins
+        if (leases or pinned or adapter_id in self._claims) and not force:
+            why = []
+            if pinned:
+                why.append("pinned")
+            if leases:
+                why.append(f"held by {len(leases)} live lease(s)")
+            if adapter_id in self._claims:
+                why.append("about to be leased")
+            raise AdapterInUse(
+                f"adapter {adapter_id} is {' and '.join(why)}; pass force=true to evict anyway",
+                adapter_id=adapter_id, pinned=pinned, lease_ids=leases,
+            )
+        for lease_id in leases:
+            self._leases.end(lease_id)
+        if force and pinned:
+            self.unpin(adapter_id)
+        reason = EvictReason.FORCED if (leases or pinned) else EvictReason.MANUAL
+        eviction = self._evict_now(adapter_id, reason)
+        return Eviction(adapter_id, eviction.freed_bytes, reason, leases)
+
+    def forget(self, adapter_id: str) -> CachedAdapter | None:
+        """The folder vanished outside the sidecar: drop it from the index."""
+        adapter = self._index.pop(adapter_id, None)
+        if adapter is None:
+            return None
+        for lease_id in self._leases.ids_of(adapter_id):
+            self._leases.end(lease_id)
+        self._count_eviction(adapter, EvictReason.EXTERNAL)
+        self.after_forget(adapter_id)
+        return adapter
+
+    def _evict_now(self, adapter_id: str, reason: EvictReason) -> Eviction:
+        adapter = self._index.pop(adapter_id)
+        target = self.trash_dir / f"{adapter_id}.{secrets.token_hex(6)}"
+        self.before_evict(adapter_id, self.path_of(adapter_id))
+        try:
+            # One rename: readers see the whole folder or nothing, never half of it.
+            os.rename(self.path_of(adapter_id), target)
+            self._trash_pending.append(target)
+        except FileNotFoundError:
+            reason = EvictReason.EXTERNAL
+        self._count_eviction(adapter, reason)
+        return Eviction(adapter_id, adapter.size_bytes, reason, [])
+
+    def _count_eviction(self, adapter: CachedAdapter, reason: EvictReason) -> None:
+        self._metrics.evictions.labels(reason=reason.value).inc()
+        age_s = max(0.0, self._clock() - adapter.record.staged_at)
+        self._metrics.age_at_eviction.observe(age_s)
+        log.info("evicted adapter_id=%s bytes=%d reason=%s age=%.1fs", adapter.adapter_id,
+                 adapter.size_bytes, reason.value, age_s,
+                 extra=fields(event="evicted", adapter_id=adapter.adapter_id,
+                              size_bytes=adapter.size_bytes, reason=reason.value,
+                              age_s=round(age_s, 3)))
+
+    def take_trash(self) -> list[Path]:
+        """Folders renamed into `.trash/` since the last call, for deletion off the loop."""
+        pending, self._trash_pending = self._trash_pending, []
+        return pending

@@ -1,0 +1,1 @@
+"""vLLM's multi_lora.json catalog: generations, spare names, Triton reloads and engine state."""

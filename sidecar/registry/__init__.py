@@ -1,0 +1,1 @@
+"""Registries behind one protocol (base.py), one module per registry kind, and the transfer."""

@@ -1,0 +1,1 @@
+"""What makes an adapter servable: config, safetensors header, tensor shapes and values."""
