@@ -27,7 +27,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import boto3
 import pytest
@@ -214,8 +214,17 @@ class Cluster:
     def empty_caches(self) -> None:
         for node in self.nodes:
             assert node.sidecar is not None
-            with urllib.request.urlopen(f"{node.sidecar.url}/adapters", timeout=10) as answer:
-                cached = [a["adapter_id"] for a in json.loads(answer.read())["adapters"]]
+            url = node.sidecar.url
+
+            def listing(url: str = url) -> dict[str, Any]:
+                with urllib.request.urlopen(f"{url}/adapters", timeout=10) as answer:
+                    return cast(dict[str, Any], json.loads(answer.read()))
+
+            # A request HAProxy gave up on and sent elsewhere may still hold its lease here:
+            # its adapter cannot be evicted until that request ends.
+            wait_until(lambda: listing()["cache"]["active_leases"] == 0, 60,
+                       f"node {node.index}'s requests in flight to end")
+            cached = [a["adapter_id"] for a in listing()["adapters"]]
             for adapter_id in cached:
                 request = urllib.request.Request(
                     f"{node.sidecar.url}/evict", method="POST",
