@@ -11,7 +11,6 @@ Needs the engine environment (make engine-env, or LORA_ENGINE_VENV) and the stoc
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import tempfile
@@ -21,7 +20,6 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 from moto.server import ThreadedMotoServer
@@ -82,15 +80,6 @@ class OtherTenant:
             self._thread.join()
 
 
-def staged_at(node: EngineNode, adapter_id: str) -> float:
-    for line in node.sidecar.log_text().splitlines():
-        if line.startswith("{"):
-            entry = json.loads(line)
-            if entry.get("event") == "staged" and entry.get("adapter_id") == adapter_id:
-                return datetime.fromisoformat(entry["ts"]).timestamp()
-    raise RuntimeError(f"the sidecar's log has no staged line for {adapter_id}")
-
-
 def loads(node: EngineNode) -> float:
     with urllib.request.urlopen(node.sidecar.url + "/metrics", timeout=30) as response:
         text = response.read().decode()
@@ -109,7 +98,7 @@ def measure(node: EngineNode, phase: Phase, adapters: dict[str, tuple[Path, str]
             answered = time.time()
             phase.wrong_answers += text != expected
             phase.upload_to_answer_s.append(answered - uploaded)
-            phase.download_to_answer_s.append(answered - staged_at(node, adapter_id))
+            phase.download_to_answer_s.append(answered - node.staged_at(adapter_id))
         time.sleep(1)  # the other tenant's calls just after the last answer count too
     phase.repository_calls = int(loads(node) - before)
     phase.other_calls, phase.other_errors = other.calls, other.errors

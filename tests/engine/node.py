@@ -12,6 +12,7 @@ import urllib.request
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +202,15 @@ class EngineNode:
         if answer.get("lease_id"):
             self.sidecar_json("/release", {"lease_id": answer["lease_id"]})
         return str(answer.get("lora_name") or adapter_id)
+
+    def staged_at(self, adapter_id: str) -> float:
+        """When the sidecar published an adapter (its log's `staged` line): the download's end."""
+        for line in self.sidecar.log_text().splitlines():
+            if line.startswith("{"):
+                entry = json.loads(line)
+                if entry.get("event") == "staged" and entry.get("adapter_id") == adapter_id:
+                    return datetime.fromisoformat(entry["ts"]).timestamp()
+        raise AssertionError(f"the sidecar's log has no staged line for {adapter_id}")
 
     def wait_catalog_loaded(self, timeout_s: float = ENGINE_LOAD_TIMEOUT_S) -> float:
         """Until Triton has loaded the catalog the sidecar rendered last; returns the seconds."""

@@ -15,7 +15,6 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -68,16 +67,6 @@ def proxy(node: EngineNode) -> Iterator[ThreadedTritonProxy]:
     proxy.stop()
 
 
-def staged_at(node: EngineNode, adapter_id: str) -> float:
-    """When the sidecar published an adapter (its log's `staged` line): the download's end."""
-    for line in node.sidecar.log_text().splitlines():
-        if line.startswith("{"):
-            entry = json.loads(line)
-            if entry.get("event") == "staged" and entry.get("adapter_id") == adapter_id:
-                return datetime.fromisoformat(entry["ts"]).timestamp()
-    raise AssertionError(f"no staged line for {adapter_id}")
-
-
 def catalog(node: EngineNode) -> dict[str, Any]:
     status: dict[str, Any] = node.sidecar_json("/catalog")
     return status
@@ -125,7 +114,7 @@ def test_twenty_new_adapters_answer_at_once_with_no_reload_and_no_error_elsewher
             answer = node.ask(adapter_id)  # the first answer: no retry
             answered = time.time()
             assert answer == expected, adapter_id
-            figures.append((answered - staged_at(node, adapter_id), answered - uploaded))
+            figures.append((answered - node.staged_at(adapter_id), answered - uploaded))
     finally:
         stop.set()
         caller.join()
