@@ -230,6 +230,21 @@ async def test_without_a_base_model_config_spares_are_off_and_status_says_why(
     assert world.rendered() == {}
 
 
+@pytest.mark.parametrize("triton_url", ["http://127.0.0.1:1", None], ids=["triton", "no triton"])
+async def test_spares_off_is_a_warning_only_where_it_costs_reloads(
+    world: World, caplog: pytest.LogCaptureFixture, triton_url: str | None
+) -> None:
+    with caplog.at_level("INFO", logger="sidecar.catalog.catalog"):
+        await world.start(base_model_config=None, triton_url=triton_url)
+
+    said = [r for r in caplog.records if "spare names are off" in r.getMessage()]
+    assert len(said) == 1
+    if triton_url is None:  # `make run`: nothing is reloaded, so nothing to warn a newcomer of
+        assert said[0].levelname == "INFO" and "no reload" in said[0].getMessage()
+    else:
+        assert said[0].levelname == "WARNING" and "costs a reload" in said[0].getMessage()
+
+
 # ---- binding spare names ----------------------------------------------------------------------
 
 

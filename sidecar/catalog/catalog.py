@@ -95,9 +95,13 @@ class Catalog:
         """Prepare the no-op adapter, carry on with the journaled generation if multi_lora.json
         is still its rendering, and render a first generation otherwise."""
         await asyncio.to_thread(self.names.prepare)
-        if self.names.spares_off is not None:
+        if self.names.spares_off is not None and self._reloads:
             log.warning("catalog: spare names are off: %s; every adapter a loaded catalog does "
                         "not list costs a reload of %s", self.names.spares_off, self._model)
+        elif self.names.spares_off is not None:  # no reload to cost anything: no warning
+            log.info("catalog: spare names are off: %s; the sidecar asks Triton for no reload "
+                     "here, and each new adapter is listed by a new generation of the catalog "
+                     "file", self.names.spares_off)
         try:
             await asyncio.to_thread(self.names.recover)
         except OSError as exc:
