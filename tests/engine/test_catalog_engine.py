@@ -127,8 +127,9 @@ def test_twenty_new_adapters_answer_at_once_with_no_reload_and_no_error_elsewher
     bound = catalog(node)["spares"]["bound"]  # type: ignore[index]
     assert sorted(bound.values()) == sorted(["steady", *NEW])
     after_download = [f for f, _ in figures]
-    # A reload would take tens of seconds: anything near one second is a spare name at work.
-    assert max(after_download) < 5, figures
+    # A reload would take tens of seconds; a spare name serves within the second on CPU
+    # (measured 0.10-0.33 s with the other tenant calling all along).
+    assert max(after_download) <= 1.0, figures
     engine_figures["20 new adapters: end of download -> first answer (each, s)"] = " ".join(
         f"{f:.2f}" for f in after_download)
     engine_figures["20 new adapters: upload -> first answer (each, s)"] = " ".join(
