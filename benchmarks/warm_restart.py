@@ -23,19 +23,9 @@ from pathlib import Path
 import boto3
 
 from sidecar.examples import write_adapter
-from tests.processes import free_port
+from tests.processes import free_port, http_status
 
 BUCKET = "warm"
-
-
-def status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as response:
-            return int(response.status)
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0
 
 
 class Registry:
@@ -48,7 +38,7 @@ class Registry:
                 [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                 stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
-        while status(self.url + "/moto-api/") != 200:
+        while http_status(self.url + "/moto-api/", timeout_s=1) != 200:
             if time.monotonic() > deadline:
                 raise RuntimeError("moto did not start")
             time.sleep(0.05)
@@ -119,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                     headers={"Content-Type": "application/json"})
                 urllib.request.urlopen(request, timeout=120).close()
 
-            while status(url + "/healthz") != 200:
+            while http_status(url + "/healthz", timeout_s=1) != 200:
                 time.sleep(0.05)
             with ThreadPoolExecutor(8) as pool:
                 list(pool.map(stage, ids))
@@ -132,9 +122,9 @@ def main(argv: list[str] | None = None) -> int:
                                                     work / "sidecar.log")
                 healthz = ready = None
                 while ready is None and time.monotonic() - began < 120:
-                    if healthz is None and status(url + "/healthz") == 200:
+                    if healthz is None and http_status(url + "/healthz", timeout_s=1) == 200:
                         healthz = time.monotonic() - began
-                    if status(url + "/readyz") == 200:
+                    if http_status(url + "/readyz", timeout_s=1) == 200:
                         ready = time.monotonic() - began
                     time.sleep(0.01)
                 with urllib.request.urlopen(url + "/adapters", timeout=30) as response:

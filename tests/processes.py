@@ -96,3 +96,14 @@ def get_blocking(url: str, path: str, timeout_s: float = 30) -> tuple[int, dict[
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+def http_status(url: str, timeout_s: float = 2) -> int:
+    """The status a GET answers; 0 when nothing answers (a process starting or gone)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0

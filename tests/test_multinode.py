@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.examples import write_adapter
 from sidecar.validation.shapes import TINY_LLAMA
-from tests.processes import SidecarProcess
+from tests.processes import SidecarProcess, http_status
 from tests.triton.harness import HEADER_FORWARD_ARGS, ROUTER, TritonServer, router_config
 from tests.triton.standin_vllm.answer import weights_digest
 
@@ -316,16 +316,6 @@ def catalog_loaded(node: Node) -> bool:
         return False
     return bool(catalog["generation"]
                 and catalog["triton"].get("loaded_generation") == catalog["generation"])
-
-
-def http_status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return int(r.status)
-    except urllib.error.HTTPError as exc:
-        return exc.code
-    except OSError:
-        return 0
 
 
 def wait_until(condition: Any, timeout_s: float, what: str) -> None:
