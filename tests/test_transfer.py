@@ -247,6 +247,26 @@ async def test_a_second_cancel_during_clean_up_never_closes_a_file_a_thread_stil
     assert dest.read_bytes()[:1000] == data[:1000]
 
 
+async def test_a_descriptor_left_to_close_survives_a_job_that_ends_while_another_runs(
+    tmp_path: Path,
+) -> None:
+    # A download's descriptor is closed once its last worker job ends; one job ending while
+    # another still runs must neither close it nor forget it.
+    threads = transfer._Threads(transfer.transfer_executor(2))
+    first, second = threading.Event(), threading.Event()
+    jobs = [threads.submit(first.wait, 10), threads.submit(second.wait, 10)]
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    threads.close_when_idle(fd)
+    assert _open_to(path) == [fd]  # jobs run: not closed under them
+    first.set()
+    await asyncio.wrap_future(jobs[0])
+    assert _open_to(path) == [fd]  # one job still runs
+    second.set()
+    await asyncio.wrap_future(jobs[1])
+    await _until(lambda: not _open_to(path))  # closed by the last job's end, not leaked
+
+
 async def test_the_hasher_never_closes_a_file_a_thread_still_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -155,7 +155,9 @@ class _Threads:
     def _finished(self, future: concurrent.futures.Future[Any]) -> None:
         with self._lock:
             self._running.discard(future)
-            closing, self._to_close = (self._to_close, []) if not self._running else ([], [])
+            if self._running:
+                return  # the last job to end closes what waits for it
+            closing, self._to_close = self._to_close, []
         for fd in closing:
             os.close(fd)
 
