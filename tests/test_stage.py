@@ -54,7 +54,13 @@ async def test_local_registry_stages_then_hits(
     assert set(record["files"]) == {"adapter_config.json", "adapter_model.safetensors"}
     weights = (source / "adapter_model.safetensors").read_bytes()
     assert record["files"]["adapter_model.safetensors"]["crc32"] == f"{zlib.crc32(weights):08x}"
-    assert record["files"]["adapter_model.safetensors"]["sha256"] is None  # none to check
+    assert record["files"]["adapter_model.safetensors"]["sha256"] == hashlib.sha256(
+        weights).hexdigest()
+    # The content digest is what `sha256sum` over the folder's files gives, hashed once more.
+    sums = "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n"
+                   for p in sorted(source.iterdir()))
+    digest = f"sha256:{hashlib.sha256(sums.encode()).hexdigest()}"
+    assert record["content_digest"] == first["content_digest"] == digest
 
     status, second = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "support-v1"})
     assert status == 200

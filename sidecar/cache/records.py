@@ -4,6 +4,7 @@ files present, writing it fsynced, and re-reading files whose times changed.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ class FileRecord:
     size_bytes: int
     etag: str
     crc32: str  # 8 hex digits, computed while the bytes streamed
-    sha256: str | None = None  # when the registry gave one to check against
+    sha256: str | None = None  # of the bytes as staged (None in records of older versions)
     mtime_ns: int | None = None  # when sealed: a restart trusts the checks only if unchanged
 
 
@@ -67,9 +68,11 @@ class AdapterRecord:
     # every file keeps its recorded size and modification time: nothing is re-hashed.
     verified: tuple[str, ...] = ()
     size_bytes: int = field(init=False, compare=False)  # summed once: read on every hit
+    content_digest: str = field(init=False, compare=False)  # once too: see _content_digest
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "size_bytes", sum(f.size_bytes for f in self.files.values()))
+        object.__setattr__(self, "content_digest", _content_digest(self.files))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -77,6 +80,7 @@ class AdapterRecord:
             "adapter_id": self.adapter_id,
             "source": self.source,
             "size_bytes": self.size_bytes,
+            "content_digest": self.content_digest,
             "staged_at": iso_utc(self.staged_at),
             "staged_at_unix": self.staged_at,
             "verified": list(self.verified),
@@ -123,6 +127,20 @@ class AdapterRecord:
         if not (isinstance(verified, list) and all(isinstance(v, str) for v in verified)):
             raise ValueError("bad verified list")
         return cls(adapter_id, source, float(staged_at), files, tuple(verified))
+
+
+def _content_digest(files: Mapping[str, FileRecord]) -> str:
+    """What identifies an adapter's bytes: `sha256:` and the SHA-256 of its SHA256SUMS text
+    (one `<sha256>  <name>` line per file, sorted by name), so an operator can compute it with
+    `sha256sum`. A record of an older version without every file's SHA-256 gets a `crc32:`
+    digest of the same form from sizes and CRC-32s: never equal to a `sha256:` one, so such
+    bytes count as other bytes (the safe direction)."""
+    if all(f.sha256 for f in files.values()):
+        kind, lines = "sha256", [f"{f.sha256}  {name}\n" for name, f in sorted(files.items())]
+    else:
+        kind, lines = "crc32", [f"{f.size_bytes}:{f.crc32}  {name}\n"
+                                for name, f in sorted(files.items())]
+    return f"{kind}:{hashlib.sha256(''.join(lines).encode()).hexdigest()}"
 
 
 def read_record(folder: Path) -> AdapterRecord:

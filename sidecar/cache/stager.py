@@ -319,9 +319,7 @@ class Stager:
         remembers. The tensor values are checked by the download, in the bytes it reads.
         """
         files = {f.name: f for f in listing.files}
-        # With a SHA256SUMS to check, files are hashed as they land, not read again after.
-        sha256 = CHECKSUMS_FILE in files
-        got = await self._fetch_all(adapter_id, listing.files, staging, sha256)
+        got = await self._fetch_all(adapter_id, listing.files, staging)
         crc_before: dict[str, str] = {}  # of files fetched again: the previous download's
         for attempt in range(1, FETCH_ATTEMPTS + 1):
             transfer_faults = [problem for f in listing.files
@@ -353,18 +351,18 @@ class Stager:
                                      problems=sorted({p.code for p in faults})))
             crc_before = {name: got[name][0].crc32 for name in names}
             await asyncio.to_thread(_unlink_all, [staging / name for name in names])
-            got.update(await self._fetch_all(adapter_id, [files[n] for n in names], staging,
-                                             sha256))
+            got.update(await self._fetch_all(adapter_id, [files[n] for n in names], staging))
         raise AssertionError("FETCH_ATTEMPTS is at least 1")
 
     async def _fetch_all(
-        self, adapter_id: str, files: list[RemoteFile], staging: Path, sha256: bool
+        self, adapter_id: str, files: list[RemoteFile], staging: Path
     ) -> dict[str, tuple[FetchedFile, ValueReport | None]]:
+        """Every file, each hashed (SHA-256) as it lands, read back from the page cache: the
+        adapter's content digest, and the SHA256SUMS check without a second read."""
         def count(n: int) -> None:
             self._metrics.download_bytes.inc(n)
 
-        tasks = [asyncio.create_task(self._fetch_one(adapter_id, f, staging / f.name, count,
-                                                     sha256 and f.name != CHECKSUMS_FILE))
+        tasks = [asyncio.create_task(self._fetch_one(adapter_id, f, staging / f.name, count))
                  for f in files]
         try:
             return {f.name: result
@@ -379,15 +377,14 @@ class Stager:
 
     async def _fetch_one(
         self, adapter_id: str, file: RemoteFile, dest: Path, count: Callable[[int], None],
-        sha256: bool,
     ) -> tuple[FetchedFile, ValueReport | None]:
         """One file; the weights' tensor values are checked in the chunks the download
         reads, and what it could not check in flight is read back at the end."""
         if file.name != WEIGHTS_FILE:
-            return await self._source.fetch(adapter_id, file, dest, count, sha256=sha256), None
+            return await self._source.fetch(adapter_id, file, dest, count, sha256=True), None
         scan = ValueScan(file.size_bytes)
         fetched = await self._source.fetch(adapter_id, file, dest, count, inspect=scan,
-                                           sha256=sha256)
+                                           sha256=True)
         return fetched, await asyncio.to_thread(finish_scan, scan, dest)
 
 

@@ -32,7 +32,7 @@ class RemoteFile:
 @dataclass(frozen=True, slots=True)
 class FetchedFile:
     crc32: str  # of the bytes written, 8 hex digits
-    sha256: str | None  # of the bytes written, when the registry has a SHA-256 to check
+    sha256: str | None  # of the bytes written, when asked for or the registry has one
     registry_crc32: str | None = None  # the registry's own full-object checksums, if kept
     registry_sha256: str | None = None
 

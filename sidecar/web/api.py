@@ -247,6 +247,7 @@ def adapter_view(services: Services, adapter: CachedAdapter) -> dict[str, Any]:
         "pinned": adapter.pinned,
         "leases": store.lease_count(adapter.adapter_id),
         "source": adapter.record.source,
+        "content_digest": adapter.record.content_digest,
         "files": {name: f.size_bytes for name, f in sorted(adapter.record.files.items())},
     }
 
@@ -264,6 +265,7 @@ def _stage_json(services: Services, result: StageResult, lora_name: str) -> str:
             "path": services.triton_adapters_prefix + adapter.adapter_id,
             "local_path": services.local_adapters_prefix + adapter.adapter_id,
             "size_bytes": adapter.size_bytes,
+            "content_digest": adapter.record.content_digest,
         })[:-1]
         cached = (adapter, fragment)
         services.stage_fragments[adapter.adapter_id] = cached
