@@ -24,12 +24,13 @@ from .cache.store import AdapterStore
 from .cache.upkeep import stage_pin, sweep_leases
 from .cache.watcher import Watcher
 from .catalog.catalog import Catalog
+from .catalog.naming import Naming, StoreView
 from .catalog.registry_view import RegistryView
+from .catalog.reloads import Reloads
 from .catalog.seed import REPOSITORY_DIR, seed_model_repository
 from .config import Settings, is_loopback
 from .errors import CacheOwned, ConfigError, SidecarError, SourceUnavailable
 from .exits import EXIT_CACHE_OWNED, EXIT_FAILED, EXIT_OK
-from .fsutil import remove_tree
 from .logs import configure_logging, fields
 from .metrics import Metrics
 from .preflight import configuration_problems
@@ -79,6 +80,10 @@ class Sidecar:
         self.metrics = Metrics(registry)
         self.health = Health()
         self.rules = Rules.from_settings(settings)
+        # The catalog first: the store tells it of every folder that leaves adapters/.
+        self.catalog = Catalog(settings.cache_root, settings.triton_root, self.rules,
+                               self.metrics, lease_ttl_s=settings.lease_ttl_s,
+                               spares_wanted=settings.spare_names != 0)
         self.store = AdapterStore(
             settings.cache_root,
             max_bytes=settings.max_bytes,
@@ -87,6 +92,7 @@ class Sidecar:
             lease_ttl_s=settings.lease_ttl_s,
             max_leases=settings.max_leases,
             metrics=self.metrics,
+            listener=self.catalog,
         )
         policy = TransferPolicy(
             part_size_bytes=settings.part_size_bytes,
@@ -109,14 +115,14 @@ class Sidecar:
             on_source_result=self._note_source_result,
         )
         self.metrics.watch(self.store, self.stager)
-        self.catalog = Catalog(settings, self.store, self.rules, self.metrics)
-        self.store.before_evict = self.catalog.names.before_evict
-        self.store.after_forget = self.catalog.names.after_forget
         self.registry_view = RegistryView(
             self.source, settings.catalog_refresh_s,
             lambda: (adapter.adapter_id for adapter in self.store.adapters()))
+        self.reloads = Reloads(settings, self.catalog, self.metrics,
+                               StoreView(self.store, settings.allowed_target_modules),
+                               registry_ids=self.registry_view.ids)
+        self.naming = Naming(self.catalog, self.reloads, self.store, self.metrics)
         self.watcher = Watcher(self.store, self.rules, self.metrics)
-        self.store.on_trash = self.purge_trash
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
@@ -183,7 +189,7 @@ class Sidecar:
                                     self.settings.cache_root / REPOSITORY_DIR)
         services = Services(
             settings=self.settings, store=self.store, stager=self.stager, metrics=self.metrics,
-            readiness=self, purge_trash=self.purge_trash, catalog=self.catalog,
+            readiness=self, catalog=self.naming,
             recovered=self.recovered, on_unpin=self.unpin, epp=self.epp,
             registry=self.registry_view,
         )
@@ -209,7 +215,8 @@ class Sidecar:
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=SHUTDOWN_GRACE_S)
         await self.stager.close()
-        await self.catalog.close()
+        await self.reloads.close()
+        await self.store.settle_trash()
         await self.source.close()
         if self._transfer_executor is not None:
             # Every download has waited for its threads; none is left running here.
@@ -236,7 +243,7 @@ class Sidecar:
                             "checked")
         if pending:
             problems.append(f"pinned adapters not staged yet: {', '.join(pending)}")
-        catalog_problem = self.catalog.problem()
+        catalog_problem = self.reloads.problem()
         if catalog_problem is not None:
             problems.append(catalog_problem)
         return problems
@@ -259,13 +266,13 @@ class Sidecar:
         try:
             # After the cache's index (a generation lists what is on disk), before the API
             # answers /stage (which asks the catalog for the name to send).
-            await self.catalog.start()
+            await self.reloads.start(self.registry_view.listed)
         except Exception as exc:
             log.exception("starting the catalog failed")
             self.health.set("catalog", f"starting the catalog failed: {exc}")
         finally:
             self.recovered.set()  # a failed recovery is reported by /readyz, not by hanging
-        self._spawn(self.catalog.run(), "catalog")
+        self._spawn(self.reloads.run(), "catalog")
         await self.watcher.start()
         self._spawn(self.watcher.run(), "watcher")
         self._spawn(sweep_leases(self.store), "leases")
@@ -297,11 +304,6 @@ class Sidecar:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-    def purge_trash(self) -> None:
-        """Delete evicted folders off the loop; the rename already hid them from readers."""
-        for folder in self.store.take_trash():
-            self._spawn(asyncio.to_thread(remove_tree, folder), f"purge:{folder.name}")
 
     async def _health_loop(self) -> None:
         last_probe = 0.0

@@ -397,14 +397,19 @@ OPTIONS: tuple[Option, ...] = (
            "retire; changes are acted on at once), and seconds between two listings of the "
            "registry (GET /catalog's registry view; folders that cannot be adapters are logged "
            "and counted)", "SECONDS"),
-    Option("spare_names", "--spare-names", _at_least(_parse_int, 0, "0 or more"), "32",
-           "spare names each catalog generation lists, bound to new adapters without a reload "
-           "(needs --base-model-config); 0: every adapter the loaded catalog does not list "
-           "costs a reload", "N"),
+    Option("spare_names", "--spare-names", _parse_optional_count, "auto",
+           "spare names each catalog generation lists, given to adapters it does not list "
+           "without a reload (auto: the registry's adapters not on disk plus a quarter of the "
+           "registry, at least 32, at most --spare-names-max); 0: every adapter the loaded "
+           "catalog does not list costs a reload", "N"),
+    Option("spare_names_max", "--spare-names-max", _at_least(_parse_int, 1, "at least 1"),
+           "4096", "most spare names one generation lists (each costs the engine a little at "
+           "load time and per request; see the README)", "N"),
     Option("compact_below", "--compact-below", _parse_optional_count, "auto",
            "plan a compaction (a new generation and a reload) when this many spare names or "
-           "fewer are left (auto: a quarter of --spare-names); with --compaction-window it "
-           "waits for the window unless no spare is left", "N"),
+           "fewer are left (auto: an eighth of the generation's spares, and at least 4 or a "
+           "quarter of them); with --compaction-window it waits for the window unless no spare "
+           "is left", "N"),
     Option("compaction_window", "--compaction-window", _parse_window, "",
            "daily quiet window, HH:MM-HH:MM in UTC, in which the catalog is compacted if "
            "anything was bound or evicted since it was rendered", "HH:MM-HH:MM"),
@@ -480,7 +485,8 @@ class Settings:
     base_model: str | None = None
     base_model_config: Path | None = None
     catalog_refresh_s: float = 30.0
-    spare_names: int = 32
+    spare_names: int | None = None  # None: sized from the registry
+    spare_names_max: int = 4096
     compact_below: int | None = None
     compaction_window: CompactionWindow | None = None
     triton_url: str | None = None
@@ -501,13 +507,6 @@ class Settings:
         """Triton's view of the cache root; always absolute (vLLM reads relative paths as
         hub ids)."""
         return self.triton_cache_root or self.cache_root.absolute()
-
-    @property
-    def compact_below_spares(self) -> int:
-        """Spares left at or below which a compaction is planned."""
-        if self.compact_below is not None:
-            return self.compact_below
-        return self.spare_names // 4
 
     @property
     def is_s3(self) -> bool:
@@ -584,9 +583,12 @@ def _check(p: Mapping[str, Any]) -> Iterable[str]:
     """Checks across options; only run once every option parsed on its own."""
     if len(p["pin"]) > p["max_adapters"]:
         yield f"--pin lists {len(p['pin'])} adapters but --max-adapters is {p['max_adapters']}"
-    if p["compact_below"] is not None and 0 < p["spare_names"] <= p["compact_below"]:
+    spares = p["spare_names"]
+    if p["compact_below"] is not None and spares is not None and 0 < spares <= p["compact_below"]:
         yield (f"--compact-below {p['compact_below']} must be less than --spare-names "
-               f"{p['spare_names']}: every binding would plan a compaction")
+               f"{spares}: every binding would plan a compaction")
+    if spares is not None and spares > p["spare_names_max"]:
+        yield f"--spare-names {spares} is more than --spare-names-max {p['spare_names_max']}"
     if p["metrics_host"] == p["host"] and p["metrics_port"] == p["port"] and p["port"] != 0:
         yield (f"--metrics-host/--metrics-port {p['metrics_host']}:{p['metrics_port']} is the "
                "API's own address; give the read-only listener another port")

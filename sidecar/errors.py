@@ -101,14 +101,14 @@ class InvalidAdapter(SidecarError):
         more = f" (+{len(self.problems) - 5} more)" if len(self.problems) > 5 else ""
         if remembered:
             head = f"adapter {adapter_id} was refused by validation at {refused_at}"
-            tail = (f". This is that remembered verdict, kept until {remembered_until} "
-                    f"(--refusal-ttl); after fixing the adapter, `lora-sidecar evict "
-                    f"{adapter_id}` (POST /evict) clears it now")
+            tail = (f". This is that remembered verdict for the same files in the registry, "
+                    f"kept until {remembered_until} (--refusal-ttl); a new upload of the "
+                    "adapter is judged afresh as soon as it is listed")
         else:
             head = f"adapter {adapter_id} was refused by validation"
             tail = "" if remembered_until is None else (
-                f". The verdict is remembered until {remembered_until} (--refusal-ttl); "
-                f"`lora-sidecar evict {adapter_id}` (POST /evict) clears it sooner")
+                f". The verdict is remembered for these files until {remembered_until} "
+                "(--refusal-ttl); a new upload is judged afresh at once")
         super().__init__(f"{head}: {summary}{more}{tail}", adapter_id=adapter_id)
 
     def recalled(self) -> InvalidAdapter:

@@ -111,6 +111,20 @@ class Metrics:
             "lora_sidecar_catalog_spares_left", "Unbound spare names in the generation the "
             "serving engine loaded.", registry=r,
         )
+        self.catalog_names = Gauge(
+            "lora_sidecar_catalog_names", "Names of the generation the serving engine loaded, "
+            "by state (unbound, bound, parked, burnt, retired).", ["state"], registry=r,
+        )
+        self.catalog_name_changes = Counter(
+            "lora_sidecar_catalog_name_changes", "Names that changed, by change: bound (a spare "
+            "given to an adapter version), parked (its version left the disk), returned (the "
+            "same bytes staged again), burnt (never handed out again).", ["change"], registry=r,
+        )
+        self.catalog_disk_bytes = Gauge(
+            "lora_sidecar_catalog_disk_bytes", "Bytes the catalog keeps on the cache volume "
+            "outside the adapters' budget: the no-op adapters, the names' links and folders, "
+            "the journal and multi_lora.json.", registry=r,
+        )
         self.catalog_compactions = Counter(
             "lora_sidecar_catalog_compactions", "New catalog generations rendered to replace "
             "one in use, by reason (exhausted, spares_low, window, requested, engine_lost).",
@@ -132,6 +146,8 @@ class Metrics:
             self.evictions.labels(reason=reason)
         for reason in ("exhausted", "spares_low", "window", "requested", "engine_lost"):
             self.catalog_compactions.labels(reason=reason)
+        for change in ("bound", "parked", "returned", "burnt"):
+            self.catalog_name_changes.labels(change=change)
         # GET /metrics: prometheus_client's own handler, in the format the scraper asks for.
         self.handler: Handler = make_aiohttp_handler(r, disable_compression=True)
         if process:

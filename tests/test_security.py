@@ -52,13 +52,15 @@ async def start_locked(start_sidecar: StartSidecar, tmp_path: Path, **overrides:
 
 
 async def catalog_ids(http: aiohttp.ClientSession, sidecar: Sidecar) -> list[str]:
-    """The names multi_lora.json lists, after a compaction: every adapter on disk, and the
-    spare names (none when the sidecar has no base model config)."""
-    sidecar.catalog.request_compaction()
-    await sidecar.catalog.sync()
+    """The adapters multi_lora.json lists by their own names, after a compaction: every adapter
+    on disk (the spare names beside them are never an adapter id)."""
+    sidecar.reloads.request_compaction()
+    await sidecar.reloads.sync()
     _, body = await call(http, "GET", f"{sidecar.url}/catalog")
     listed = json.loads((sidecar.settings.cache_root / "multi_lora.json").read_text())
-    assert sorted(listed) == body["adapter_ids"], body
+    own = sorted(name for name in listed if not name.startswith("_spare-"))
+    assert own == body["adapter_ids"], body
+    assert len(listed) - len(own) == body["spares"]["total"]
     return list(body["adapter_ids"])
 
 

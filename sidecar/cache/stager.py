@@ -46,6 +46,18 @@ log = logging.getLogger(__name__)
 
 FETCH_ATTEMPTS = 3  # downloads of a file whose bytes did not arrive intact, the first included
 NOT_FOUND_MAX = 10_000  # ids remembered as not in the registry
+# A remembered refusal holds for the bytes it judged: the registry is listed again at most this
+# often while callers keep asking, and a changed listing (an upload finished, a fixed one) is
+# judged afresh at once.
+RELIST_REFUSED_S = 1.0
+
+
+@dataclass(slots=True)
+class _Refusal:
+    until: float  # monotonic: --refusal-ttl
+    error: InvalidAdapter
+    listing: tuple[object, ...]  # what the registry listed when it was judged
+    checked: float  # monotonic: when the listing was last seen unchanged
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +101,7 @@ class Stager:
         # Verdicts answered again without a fetch until they expire (monotonic seconds): a
         # refusal for --refusal-ttl, "not in the registry" for --not-found-ttl. Ids asked for
         # are the caller's choice, so the second map is bounded.
-        self._refused: dict[str, tuple[float, InvalidAdapter]] = {}
+        self._refused: dict[str, _Refusal] = {}
         self._not_found: dict[str, tuple[float, AdapterNotFound]] = {}
         # Children bound once: a labels() lookup per request shows on the hit path.
         results = ("hit", "miss", "error")
@@ -178,9 +190,12 @@ class Stager:
         now = time.monotonic()
         refused = self._refused.get(adapter_id)
         if refused is not None:
-            if now < refused[0]:
-                raise refused[1].recalled()
-            del self._refused[adapter_id]
+            if now >= refused.until:
+                del self._refused[adapter_id]
+            elif now - refused.checked < RELIST_REFUSED_S:
+                raise refused.error.recalled()
+            # Else the stage lists the registry again: the same listing answers the verdict
+            # from memory, another one is judged afresh.
         missing = self._not_found.get(adapter_id)
         if missing is not None:
             if now < missing[0]:
@@ -212,7 +227,21 @@ class Stager:
             adapter_id=error.adapter_id)
         self._not_found[error.adapter_id] = (now + self._not_found_ttl_s, remembered)
 
-    def _refuse(self, adapter_id: str, problems: list[Problem]) -> InvalidAdapter:
+    def _recall(self, adapter_id: str, listing: Listing) -> None:
+        """Answer a remembered refusal if the registry still lists the bytes it judged."""
+        refused = self._refused.get(adapter_id)
+        if refused is None:
+            return
+        if refused.listing == listing.signature():
+            refused.checked = time.monotonic()
+            raise refused.error.recalled()
+        del self._refused[adapter_id]
+        log.info("adapter_id=%s changed in the registry since it was refused; judging it "
+                 "afresh", adapter_id, extra=fields(event="refusal_outdated",
+                                                     adapter_id=adapter_id))
+
+    def _refuse(self, adapter_id: str, problems: list[Problem],
+                listing: Listing) -> InvalidAdapter:
         for code in sorted({p.code for p in problems}):
             self._metrics.validation_failures.labels(reason=code).inc()
         refused_at = time.time()
@@ -220,7 +249,9 @@ class Stager:
         error = InvalidAdapter(adapter_id, [p.to_json() for p in problems],
                                refused_at=iso_utc(refused_at), remembered_until=until)
         if self._refusal_ttl_s > 0:
-            self._refused[adapter_id] = (time.monotonic() + self._refusal_ttl_s, error)
+            now = time.monotonic()
+            self._refused[adapter_id] = _Refusal(now + self._refusal_ttl_s, error,
+                                                 listing.signature(), now)
         log.warning("refused adapter_id=%s problems=%d: %s", adapter_id, len(problems),
                     "; ".join(f"{p.code} {p.file}" for p in problems),
                     extra=fields(event="refused", adapter_id=adapter_id,
@@ -238,13 +269,11 @@ class Stager:
             size_bytes = sum(f.size_bytes for f in listing.files)
             reservation = self._store.reserve(adapter_id, size_bytes)
             # Room made by evicting is on disk only once the evicted folders are deleted.
-            trash = self._store.take_trash()
-            if trash:
-                await asyncio.to_thread(_remove_all, trash)
+            await self._store.settle_trash()
             staging = await asyncio.to_thread(self._store.new_staging_dir, adapter_id)
             fetched, problems = await self._fetch_and_validate(adapter_id, listing, staging)
             if problems:
-                raise self._refuse(adapter_id, problems)
+                raise self._refuse(adapter_id, problems, listing)
             record = AdapterRecord(
                 adapter_id=adapter_id,
                 source=self._source.description,
@@ -297,6 +326,7 @@ class Stager:
             for name in listing.unsafe_names
         ]
         problems += [p for f in listing.files if (p := check_file_name(f.name)) is not None]
+        self._recall(adapter_id, listing)
         if any(f.name == RECORD_NAME for f in listing.files):
             # A record copied back into the registry describes some other cache; ours is
             # written after validation and is the only one a published folder may carry.
@@ -304,7 +334,7 @@ class Stager:
             listing = Listing([f for f in listing.files if f.name != RECORD_NAME],
                               listing.unsafe_names)
         if problems:
-            raise self._refuse(adapter_id, problems)
+            raise self._refuse(adapter_id, problems, listing)
         return listing
 
     async def _fetch_and_validate(
@@ -421,11 +451,6 @@ def _checksum_problems(name: str, got: FetchedFile) -> list[Problem]:
 def _unlink_all(paths: list[Path]) -> None:
     for path in paths:
         path.unlink(missing_ok=True)
-
-
-def _remove_all(folders: list[Path]) -> None:
-    for folder in folders:
-        remove_tree(folder)
 
 
 def _checks_passed(listing: Listing, fetched: list[FetchedFile]) -> tuple[str, ...]:

@@ -236,7 +236,7 @@ class Watcher:
         log.warning("adapter folder changed outside the sidecar adapter_id=%s (%s); it is no "
                     "longer served and is judged again as a new copy", adapter_id, why,
                     extra=fields(event="external_change", adapter_id=adapter_id, reason=why))
-        self._store.forget(adapter_id)
+        self._store.forget(adapter_id, changed=True)
         return True
 
     async def _settle(self, adapter_id: str) -> None:

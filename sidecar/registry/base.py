@@ -42,6 +42,12 @@ class Listing:
     files: list[RemoteFile]
     unsafe_names: list[str]  # keys that would leave the adapter folder: never fetched
 
+    def signature(self) -> tuple[object, ...]:
+        """What the listing says of the bytes (names, sizes, etags): equal only for the same
+        upload."""
+        return (tuple(sorted((f.name, f.size_bytes, f.etag) for f in self.files)),
+                tuple(sorted(self.unsafe_names)))
+
 
 class AdapterSource(Protocol):
     description: str

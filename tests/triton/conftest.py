@@ -108,9 +108,9 @@ async def node_sidecar(
         sidecar = await start_sidecar(s3_settings(tmp_path, s3, **values))
         # The daemon's own first sync queues behind this one on the catalog's lock; the second
         # call returns after it, so no listing is left to race with what the test uploads.
-        await sidecar.catalog.sync()
-        await sidecar.catalog.sync()
-        status = sidecar.catalog.status()
+        await sidecar.reloads.sync()
+        await sidecar.reloads.sync()
+        status = sidecar.reloads.status()
         if values["triton_url"] is not None:
             assert status["triton"]["loaded_generation"] == status["generation"], (
                 f"{status}\n{triton_node.server.log_tail()}")

@@ -158,7 +158,7 @@ async def test_without_spare_names_a_new_adapter_is_served_after_one_reload(
     assert status_of(error) == "UNAVAILABLE"
     assert "(catalog_pending)" in error.message()
     assert "spare names are off" in error.message()
-    await sidecar.catalog.sync()  # the refusal planned a compaction; this carries it out
+    await sidecar.reloads.sync()  # the refusal planned a compaction; this carries it out
 
     status, catalog = await call(http, "GET", f"{sidecar.url}/catalog")
     assert status == 200
@@ -172,7 +172,7 @@ async def test_without_spare_names_a_new_adapter_is_served_after_one_reload(
     assert await ask(grpc, "fresh-v1", "hi") == expected_text(files[WEIGHTS], "hi")
     error = await router_error(grpc, "first-v1")  # staged now: it waits for the next one
     assert "(catalog_pending)" in error.message()
-    await sidecar.catalog.sync()
+    await sidecar.reloads.sync()
     assert await ask(grpc, "first-v1", "hi") == expected_text(first[WEIGHTS], "hi")
 
 
@@ -183,9 +183,9 @@ async def test_unload_first_reload_serves_the_new_adapter_after_the_downtime(
     files = s3.put_adapter("after-v1", seed=10)
     await router_error(grpc, "after-v1")
 
-    await sidecar.catalog.sync()
+    await sidecar.reloads.sync()
 
-    assert sidecar.catalog.status()["triton"]["loaded_generation"] == 2
+    assert sidecar.reloads.status()["triton"]["loaded_generation"] == 2
     assert await ask(grpc, "after-v1", "x") == expected_text(files[WEIGHTS], "x")
 
 
@@ -195,17 +195,17 @@ async def test_a_failed_reload_leaves_the_old_catalog_serving(
     old = s3.put_adapter("old-v1", seed=12)
     sidecar = await node_sidecar(spare_names=0)
     await router_error(grpc, "old-v1")
-    await sidecar.catalog.sync()
+    await sidecar.reloads.sync()
     assert await ask(grpc, "old-v1", "x") == expected_text(old[WEIGHTS], "x")
     s3.put_adapter("new-v1", seed=13)
     await router_error(grpc, "new-v1")
     triton_node.fail_flag.touch()
     try:
-        await sidecar.catalog.sync()
+        await sidecar.reloads.sync()
     finally:
         triton_node.fail_flag.unlink()
 
-    triton = sidecar.catalog.status()["triton"]
+    triton = sidecar.reloads.status()["triton"]
     assert triton["loaded_generation"] == 2
     assert triton["pending"] == 3
     assert "CUDA out of memory (simulated" in triton["last_reload_error"]
@@ -226,7 +226,7 @@ async def test_the_standin_keeps_the_stock_vllm_backends_contract(
     status, _ = await call(http, "POST", f"{sidecar.url}/stage",
                            {"adapter_id": "contract-v1", "lease": False})
     assert status == 503  # staged; listed by the compaction this planned
-    await sidecar.catalog.sync()
+    await sidecar.reloads.sync()
     url, lora = triton_node.server.grpc_url, {"lora_name": "contract-v1", "temperature": 0}
     expected = expected_text(weights, "Hi", max_tokens=16)
 
@@ -257,7 +257,7 @@ async def test_a_restarted_sidecar_takes_over_the_loaded_engine_without_unloadin
 
     second = await node_sidecar(triton_reload=TritonReload.UNLOAD_FIRST)
 
-    assert second.catalog.status()["triton"]["loaded_generation"] == 1
+    assert second.reloads.status()["triton"]["loaded_generation"] == 1
     assert triton_node.server.log_text().count("successfully unloaded 'vllm_model'") == unloads
     assert await ask(grpc, "steady-v1", "x") == expected_text(files[WEIGHTS], "x")
 

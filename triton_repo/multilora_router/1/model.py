@@ -41,6 +41,7 @@ class TritonPythonModel:
         }
         self._settings = routing.RouterSettings.from_deployment(parameters, os.environ)
         self._sidecar = routing.SidecarClient(self._settings)
+        self._holds = routing.Holds(self._settings)
         self._logger = pb_utils.Logger
         self._pool = ThreadPoolExecutor(max_workers=self._settings.max_concurrent_requests,
                                         thread_name_prefix="router")
@@ -78,6 +79,8 @@ class TritonPythonModel:
                 generate=self._generate,
                 vllm_model=self._settings.vllm_model,
                 warn=self._logger.log_warn,
+                holds=self._holds,
+                info=self._logger.log_info,
             )
         except routing.RouteError as exc:
             response = _error_response(exc)
