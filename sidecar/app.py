@@ -112,6 +112,7 @@ class Sidecar:
             self.metrics,
             refusal_ttl_s=settings.refusal_ttl_s,
             not_found_ttl_s=settings.not_found_ttl_s,
+            upload_settle_s=settings.upload_settle_s,
             on_source_result=self._note_source_result,
         )
         self.metrics.watch(self.store, self.stager)

@@ -381,6 +381,11 @@ OPTIONS: tuple[Option, ...] = (
            "seconds an id the registry does not have is answered 404 from memory, without "
            "listing the registry again (an adapter uploaded since is found once they pass)",
            "SECONDS"),
+    Option("upload_settle_s", "--upload-settle", _at_least(_parse_float, 0, "0 or more"), "1",
+           "an adapter whose newest file the registry stored less than this ago (by the "
+           "registry's own clock, to the second on S3) is staged once its files have been "
+           "quiet that long, so the files of one upload landing a moment apart are staged "
+           "together; 0 stages at once", "SECONDS"),
     Option("max_lora_rank", "--max-lora-rank", _at_least(_parse_int, 1, "at least 1"), "16",
            "largest LoRA rank the served engine accepts (vLLM's max_lora_rank)", "N"),
     Option("allowed_target_modules", "--allowed-target-modules", _parse_modules,
@@ -480,6 +485,7 @@ class Settings:
     stage_timeout_s: float = 600.0
     refusal_ttl_s: float = 60.0
     not_found_ttl_s: float = 2.0
+    upload_settle_s: float = 1.0
     max_lora_rank: int = 16
     allowed_target_modules: tuple[str, ...] = LLAMA_TARGET_MODULES
     base_model: str | None = None

@@ -50,6 +50,8 @@ NOT_FOUND_MAX = 10_000  # ids remembered as not in the registry
 # often while callers keep asking, and a changed listing (an upload finished, a fixed one) is
 # judged afresh at once.
 RELIST_REFUSED_S = 1.0
+SETTLE_STEP_S = 0.25  # past the settle time before listing again
+SETTLE_LISTINGS_MAX = 30  # an upload that never stops landing is staged as it is then
 
 
 @dataclass(slots=True)
@@ -88,6 +90,7 @@ class Stager:
         *,
         refusal_ttl_s: float,
         not_found_ttl_s: float = 0.0,
+        upload_settle_s: float = 0.0,
         on_source_result: Callable[[SidecarError | None], None] = lambda _: None,
     ) -> None:
         self._store = store
@@ -96,6 +99,7 @@ class Stager:
         self._metrics = metrics
         self._refusal_ttl_s = refusal_ttl_s
         self._not_found_ttl_s = not_found_ttl_s
+        self._upload_settle_s = upload_settle_s
         self._on_source_result = on_source_result
         self._inflight: dict[str, asyncio.Task[None]] = {}
         # Verdicts answered again without a fetch until they expire (monotonic seconds): a
@@ -265,7 +269,7 @@ class Stager:
         staging: Path | None = None
         reservation = None
         try:
-            listing = await self._list(adapter_id)
+            listing = await self._settled(adapter_id, await self._list(adapter_id))
             size_bytes = sum(f.size_bytes for f in listing.files)
             reservation = self._store.reserve(adapter_id, size_bytes)
             # Room made by evicting is on disk only once the evicted folders are deleted.
@@ -311,6 +315,23 @@ class Stager:
             if staging is not None:
                 await asyncio.to_thread(remove_tree, staging)
 
+    async def _settled(self, adapter_id: str, listing: Listing) -> Listing:
+        """The listing once its newest file has been quiet for --upload-settle: files of one
+        upload landing a moment apart are fetched together, never half old and half new."""
+        for _ in range(SETTLE_LISTINGS_MAX):
+            quiet_s = listing.quiet_s()
+            # S3 gives times to the second: an age of exactly the settle time may be less.
+            if quiet_s is None or quiet_s > self._upload_settle_s or self._upload_settle_s <= 0:
+                return listing
+            wait_s = self._upload_settle_s - max(quiet_s, 0.0) + SETTLE_STEP_S
+            log.info("adapter_id=%s: a file landed in the registry %.1fs ago; staging once the "
+                     "upload has been quiet for %gs", adapter_id, max(quiet_s, 0.0),
+                     self._upload_settle_s, extra=fields(event="upload_settling",
+                                                         adapter_id=adapter_id))
+            await asyncio.sleep(min(wait_s, self._upload_settle_s + 1.0))
+            listing = await self._list(adapter_id)
+        return listing
+
     async def _list(self, adapter_id: str) -> Listing:
         try:
             listing = await self._source.list_files(adapter_id)
@@ -332,7 +353,7 @@ class Stager:
             # written after validation and is the only one a published folder may carry.
             log.info("ignoring %s in the registry for adapter_id=%s", RECORD_NAME, adapter_id)
             listing = Listing([f for f in listing.files if f.name != RECORD_NAME],
-                              listing.unsafe_names)
+                              listing.unsafe_names, listing.listed_at)
         if problems:
             raise self._refuse(adapter_id, problems, listing)
         return listing

@@ -27,6 +27,7 @@ class RemoteFile:
     size_bytes: int
     etag: str  # what must not change between listing and fetch
     locator: str  # S3 key or local path
+    modified: float | None = None  # unix, by the registry's clock (S3: to the second)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,15 @@ class FetchedFile:
 class Listing:
     files: list[RemoteFile]
     unsafe_names: list[str]  # keys that would leave the adapter folder: never fetched
+    listed_at: float | None = None  # unix, by the registry's clock, when it answered
+
+    def quiet_s(self) -> float | None:
+        """Seconds since the newest file was stored, by the registry's own clock; None when
+        the registry does not say."""
+        times = [f.modified for f in self.files if f.modified is not None]
+        if not times or self.listed_at is None:
+            return None
+        return self.listed_at - max(times)
 
     def signature(self) -> tuple[object, ...]:
         """What the listing says of the bytes (names, sizes, etags): equal only for the same

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -96,13 +97,13 @@ class LocalSource:
                     continue
                 files.append(
                     RemoteFile(entry.name, st.st_size, f"{st.st_mtime_ns}-{st.st_size}",
-                               entry.path)
+                               entry.path, st.st_mtime)
                 )
         if not files and not unsafe:
             raise AdapterNotFound(
                 f"the registry folder {folder} is empty", adapter_id=adapter_id
             )
-        return Listing(sorted(files, key=lambda f: f.name), sorted(unsafe))
+        return Listing(sorted(files, key=lambda f: f.name), sorted(unsafe), time.time())
 
     async def fetch(
         self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None],

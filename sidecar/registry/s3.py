@@ -5,6 +5,7 @@ that imports aiobotocore; botocore errors stop here).
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import logging
 import re
 from collections.abc import Callable
@@ -121,6 +122,7 @@ class S3Source:
         files: list[RemoteFile] = []
         unsafe: list[str] = []
         token: str | None = None
+        listed_at: float | None = None
         while True:
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": folder}
             if token:
@@ -133,7 +135,10 @@ class S3Source:
                 if not is_safe_file_name(name):
                     unsafe.append(name)
                     continue
-                files.append(RemoteFile(name, int(obj["Size"]), obj["ETag"], obj["Key"]))
+                modified = obj.get("LastModified")
+                files.append(RemoteFile(name, int(obj["Size"]), obj["ETag"], obj["Key"],
+                                        modified.timestamp() if modified else None))
+            listed_at = listed_at or _answered_at(page)
             if not page.get("IsTruncated"):
                 break
             token = page.get("NextContinuationToken")
@@ -143,7 +148,7 @@ class S3Source:
                 f"(nothing under {folder})",
                 adapter_id=adapter_id,
             )
-        return Listing(sorted(files, key=lambda f: f.name), unsafe)
+        return Listing(sorted(files, key=lambda f: f.name), unsafe, listed_at)
 
     async def fetch(
         self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None],
@@ -272,6 +277,15 @@ class S3Source:
 
     def _endpoint(self) -> str:
         return hide_password(self._settings.s3_endpoint_url or "AWS S3")
+
+
+def _answered_at(response: dict[str, Any]) -> float | None:
+    """When the registry answered, by its own clock (the Date header, to the second)."""
+    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    try:
+        return email.utils.parsedate_to_datetime(date).timestamp() if date else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _checksum(response: dict[str, Any], algorithm: str) -> str | None:
