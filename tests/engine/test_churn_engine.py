@@ -11,8 +11,6 @@ within a second or two of its last file, with no manual step.
 from __future__ import annotations
 
 import json
-import os
-import random
 import statistics
 import subprocess
 import threading
@@ -21,7 +19,6 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +26,9 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from tests.engine.harness import EngineAssets
-from tests.engine.node import PREFIX, EngineNode, _s3, status_of
+from tests.engine.node import EngineNode
 from tests.engine.surgery import variant
+from tests.engine.traffic import Clients, DiskSampler
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1500)]
 
@@ -40,25 +38,32 @@ REUPLOADED = "churn-09"  # re-uploaded with other bytes during the traffic
 MAX_ADAPTERS = 6  # the registry is four times the disk budget
 CLIENTS = 4
 TRAFFIC_S = 100.0
-ZIPF_S = 1.1
-SAMPLE_S = 0.5
 
 
 @pytest.fixture(scope="module")
 def adapters(engine_assets: EngineAssets, tmp_path_factory: pytest.TempPathFactory
              ) -> dict[str, tuple[Path, str]]:
     """Every adapter of the run (the tenants' tensors at other scales) with its reference text;
-    the texts differ from one another, so a crossed answer shows."""
+    candidates answering like one taken already are passed over, so a crossed answer shows."""
     folder = tmp_path_factory.mktemp("churn-variants")
-    made = {}
-    for n, name in enumerate([*REGISTRY, *NEW, f"{REUPLOADED}.v2"]):
+    names = [*REGISTRY, *NEW, f"{REUPLOADED}.v2"]
+    candidates = {}
+    for n in range(len(names) * 2):
         source = engine_assets.adapter(f"tenant-{n % 4}")
-        made[name] = variant(source, folder / name, lora_alpha=1.5 + 2.5 * (n // 4) + n % 4)
-    references = engine_assets.references(made)
-    assert all(r.fits and r.text for r in references.values()), references
-    texts = [references[name].text for name in made]
-    assert len(set(texts)) == len(texts), "two adapters of the run answer alike"
-    return {name: (made[name], references[name].text or "") for name in made}
+        candidates[f"candidate-{n}"] = variant(source, folder / f"candidate-{n}",
+                                               lora_alpha=1.0 + 1.75 * (n // 4) + 0.5 * (n % 4))
+    references = engine_assets.references(candidates)
+    chosen: dict[str, tuple[Path, str]] = {}
+    texts: set[str] = set()
+    for candidate, reference in references.items():
+        if len(chosen) == len(names) or not reference.fits or not reference.text:
+            continue
+        if reference.text in texts or reference.text == engine_assets.text("base"):
+            continue
+        texts.add(reference.text)
+        chosen[names[len(chosen)]] = (candidates[candidate], reference.text)
+    assert len(chosen) == len(names), "not enough adapters that answer apart"
+    return chosen
 
 
 @pytest.fixture(scope="module")
@@ -70,52 +75,6 @@ def node(start_engine_node: Any, adapters: dict[str, tuple[Path, str]]) -> Itera
                       "--max-adapters", str(MAX_ADAPTERS),
                       "--max-bytes", str(MAX_ADAPTERS * size)])
     yield node
-
-
-@dataclass
-class Answer:
-    adapter_id: str
-    started: float
-    ended: float
-    text: str | None
-    error: str | None
-
-
-@dataclass
-class Sampler:
-    """Bytes under the cache root every SAMPLE_S: the adapters' files (published, staging,
-    trash) against the budget, and everything else."""
-
-    root: Path
-    adapter_bytes: list[int] = field(default_factory=list)
-    other_bytes: list[int] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        while not self.stop.wait(SAMPLE_S):
-            adapters, other = 0, 0
-            seen: set[int] = set()
-            for folder, _dirs, files in os.walk(self.root):
-                top = Path(folder).relative_to(self.root).parts[:1]
-                for name in files:
-                    try:
-                        st = os.lstat(os.path.join(folder, name))
-                    except OSError:
-                        continue  # deleted while walking
-                    if st.st_ino in seen:
-                        continue
-                    seen.add(st.st_ino)
-                    if top and top[0] in ("adapters", ".staging", ".trash") and (
-                            name != ".sidecar.json"):
-                        adapters += st.st_size
-                    else:
-                        other += st.st_size
-            self.adapter_bytes.append(adapters)
-            self.other_bytes.append(other)
-
-
-def zipf_weights(count: int) -> list[float]:
-    return [1.0 / (rank ** ZIPF_S) for rank in range(1, count + 1)]
 
 
 def metric(node: EngineNode, name: str, labels: str = "") -> float:
@@ -152,38 +111,16 @@ def test_churn_with_uploads_a_reupload_an_operator_and_a_forced_compaction(
 ) -> None:
     reloads_before = metric(node, "lora_sidecar_triton_reloads_total", '{outcome="ok"}')
     active = list(REGISTRY)
-    weights = zipf_weights(len(REGISTRY) + len(NEW))
     lock = threading.Lock()
-    answers: list[Answer] = []
-    stop = threading.Event()
-    sampler = Sampler(node.cache_root)
-    sampling = threading.Thread(target=sampler.run)
-    rng = random.Random(23)
     # Most popular first; the arrivals join in the middle of the popularity.
     order = [*REGISTRY[:8], *NEW, *REGISTRY[8:]]
 
-    def client(seed: int) -> None:
-        local = random.Random(seed)
-        grpc = node.client()
-        try:
-            while not stop.is_set():
-                with lock:
-                    pool = [a for a in order if a in active]
-                adapter_id = local.choices(pool, weights[:len(pool)])[0]
-                started = time.monotonic()
-                try:
-                    text, error = node.ask(adapter_id, client=grpc), None
-                except InferenceServerException as exc:
-                    text, error = None, f"{status_of(exc)}: {exc.message()}"
-                with lock:
-                    answers.append(Answer(adapter_id, started, time.monotonic(), text, error))
-        finally:
-            grpc.close()
+    def pool() -> list[str]:
+        with lock:
+            return [a for a in order if a in active]
 
-    threads = [threading.Thread(target=client, args=(rng.random(),)) for _ in range(CLIENTS)]
-    sampling.start()
-    for thread in threads:
-        thread.start()
+    sampler = DiskSampler(node.cache_root).start()
+    clients = Clients(node, pool, CLIENTS).start()
     t0 = time.monotonic()
     timeline: dict[str, float] = {}
 
@@ -200,16 +137,18 @@ def test_churn_with_uploads_a_reupload_an_operator_and_a_forced_compaction(
         at(25)
         subprocess.run(["find", str(node.cache_root)], check=True, capture_output=True)
         subprocess.run(["du", "-sh", str(node.cache_root)], check=True, capture_output=True)
-        timeline["operator"] = time.monotonic()
         at(30)
         node.upload(REUPLOADED, adapters[f"{REUPLOADED}.v2"][0])
-        timeline["reupload"] = time.monotonic()
         evict_when_free(node, REUPLOADED)  # its old bytes go; the next stage fetches the new
         at(40)
         generation = node.sidecar_json("/catalog")["generation"]
         node.sidecar_json("/catalog/compact", {})
         timeline["compact"] = time.monotonic()
-        while node.sidecar_json("/catalog")["triton"]["loaded_generation"] == generation:
+        while True:
+            catalog = node.sidecar_json("/catalog")
+            loaded = catalog["triton"]["loaded_generation"]
+            if loaded is not None and loaded > generation and not catalog["triton"]["reloading"]:
+                break
             time.sleep(0.2)
         timeline["compacted"] = time.monotonic()
         at(timeline["compacted"] - t0 + 10)
@@ -218,11 +157,8 @@ def test_churn_with_uploads_a_reupload_an_operator_and_a_forced_compaction(
             active.append(NEW[2])
         at(TRAFFIC_S)
     finally:
-        stop.set()
-        for thread in threads:
-            thread.join()
-        sampler.stop.set()
-        sampling.join()
+        answers = clients.stop()
+        sampler.stop()
 
     errors = [a for a in answers if a.error is not None]
     assert not errors, f"{len(errors)} failed requests, first: {errors[:3]}"
@@ -268,9 +204,9 @@ def test_churn_with_uploads_a_reupload_an_operator_and_a_forced_compaction(
     misses = metric(node, "lora_sidecar_stage_requests_total", '{result="miss"}')
     changes = {c: metric(node, "lora_sidecar_catalog_name_changes_total", f'{{change="{c}"}}')
                for c in ("bound", "parked", "returned", "burnt")}
-    outside = [a.ended - a.started for a in answers
+    outside = [a.seconds for a in answers
                if a.ended < timeline["compact"] or a.started > timeline["compacted"] + 5]
-    across = [a.ended - a.started for a in answers
+    across = [a.seconds for a in answers
               if a.started < timeline["compacted"] and a.ended > timeline["compact"]]
     engine_figures["churn: requests, failed, wrong, reloads"] = (
         f"{len(answers)}, {len(errors)}, {len(wrong)}, {reloads:.0f} (the forced one)")
@@ -291,22 +227,16 @@ def test_an_upload_landing_file_by_file_is_served_a_moment_after_its_last_file(
 ) -> None:
     folder, expected = adapters["churn-23"]
     late = "late-upload"
-    s3 = _s3(node.moto_url)
-    try:
-        s3.put_object(Bucket=node.bucket, Key=f"{PREFIX}/{late}/adapter_model.safetensors",
-                      Body=(folder / "adapter_model.safetensors").read_bytes())
-        refused = []
-        for _ in range(3):  # asked while only the weights are there: refused, for those files
-            with pytest.raises(InferenceServerException) as caught:
-                node.ask(late)
-            refused.append(caught.value.message() or "")
-        assert all("missing" in message for message in refused), refused
-        time.sleep(3)  # the config lands seconds later, as `aws s3 cp --recursive` does
-        s3.put_object(Bucket=node.bucket, Key=f"{PREFIX}/{late}/adapter_config.json",
-                      Body=(folder / "adapter_config.json").read_bytes())
-        landed = time.monotonic()
-    finally:
-        s3.close()
+    node.upload(late, folder, only=["adapter_model.safetensors"])
+    refused = []
+    for _ in range(3):  # asked while only the weights are there: refused, for those files
+        with pytest.raises(InferenceServerException) as caught:
+            node.ask(late)
+        refused.append(caught.value.message() or "")
+    assert all("missing" in message for message in refused), refused
+    time.sleep(3)  # the config lands seconds later, as `aws s3 cp --recursive` does
+    node.upload(late, folder, only=["adapter_config.json"])
+    landed = time.monotonic()
 
     while True:  # a client that retries, as clients do on an error
         try:

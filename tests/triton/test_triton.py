@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import aiohttp
@@ -18,7 +19,7 @@ from sidecar.app import Sidecar
 from sidecar.config import TritonReload
 from tests.conftest import S3Registry, call
 from tests.triton.conftest import StartNodeSidecar, TritonNode, ask, direct_call
-from tests.triton.harness import VLLM_MODEL
+from tests.triton.harness import ROUTER, VLLM_MODEL, router_config
 from tests.triton.standin_vllm.answer import expected_text
 
 WEIGHTS = "adapter_model.safetensors"
@@ -187,6 +188,33 @@ async def test_unload_first_reload_serves_the_new_adapter_after_the_downtime(
 
     assert sidecar.reloads.status()["triton"]["loaded_generation"] == 2
     assert await ask(grpc, "after-v1", "x") == expected_text(files[WEIGHTS], "x")
+
+
+async def test_a_request_no_engine_can_serve_yet_is_held_through_an_unload_first_reload(
+    triton_node: TritonNode, s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any
+) -> None:
+    # The router as checked in holds such requests; this module's is loaded with hold_s 0.
+    await asyncio.to_thread(triton_node.server.load, ROUTER,
+                            router_config(triton_node.sidecar_url, hold_s="120"))
+    try:
+        sidecar = await node_sidecar(triton_reload=TritonReload.UNLOAD_FIRST, spare_names=0)
+        files = s3.put_adapter("held-v1", seed=14)
+        reloads = sidecar.metrics.registry.get_sample_value(
+            "lora_sidecar_triton_reloads_total", {"outcome": "ok"})
+        started = time.monotonic()
+
+        # One call, no retry: the sidecar says no engine names it (spares off), plans the
+        # reload that lists it, and the router holds the call through the unload and load.
+        answer = await ask(grpc, "held-v1", "x")
+
+        assert answer == expected_text(files[WEIGHTS], "x")
+        assert time.monotonic() - started > 0.05
+        assert sidecar.metrics.registry.get_sample_value(
+            "lora_sidecar_triton_reloads_total", {"outcome": "ok"}) == (reloads or 0) + 1
+        assert sidecar.store.snapshot().active_leases == 0
+    finally:
+        await asyncio.to_thread(triton_node.server.load, ROUTER,
+                                router_config(triton_node.sidecar_url, hold_s="0"))
 
 
 async def test_a_failed_reload_leaves_the_old_catalog_serving(
