@@ -89,6 +89,20 @@ def test_examples_fill_an_empty_registry_once(tmp_path: Path) -> None:
         assert checked.returncode == 0, checked.stdout
 
 
+def test_examples_are_readable_by_other_users(tmp_path: Path) -> None:
+    """A registry seeded with `examples` is read by others too: MinIO's user uploading it, a
+    container running as another uid. Every file is 0644 under the usual umask, as
+    adapter_config.json always was (safetensors writes its file 0600)."""
+    registry = tmp_path / "registry"
+    result = subprocess.run(["sh", "-c", f'umask 022 && exec "$0" -m sidecar examples {registry}',
+                             sys.executable], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    modes = {p.relative_to(registry).as_posix(): oct(p.stat().st_mode & 0o777)
+             for p in registry.rglob("*") if p.is_file()}
+    assert len(modes) == 4
+    assert set(modes.values()) == {"0o644"}, modes
+
+
 async def test_client_commands_against_a_running_sidecar(
     tmp_path: Path, start_sidecar: StartSidecar
 ) -> None:
