@@ -115,7 +115,9 @@ def test_messages_quote_vllm_where_it_has_one(tmp_path: Path) -> None:
     problems = validate_adapter(tmp_path / "a", Rules(allowed_target_modules=frozenset({"q_proj"})))
 
     messages = {p.message for p in problems}
-    assert "LoRA rank 32 is greater than max_lora_rank 16." in messages
+    assert any(m.startswith("LoRA rank 32 is greater than max_lora_rank 16.") for m in messages)
+    assert any("--max-lora-rank (LORA_SIDECAR_MAX_LORA_RANK), which must equal the engine's "
+               "max_lora_rank" in m for m in messages)
     assert (
         f"While loading {tmp_path / 'a'}, expected target modules in ['q_proj'] but received "
         "['v_proj']. Please verify that the loaded LoRA module is correct." in messages
@@ -490,7 +492,10 @@ def test_run_validate_prints_a_verdict_and_returns_an_exit_code(tmp_path: Path) 
     assert out.getvalue().splitlines() == [
         "forbidden_file  x.pt: pickle-based weights can run code when loaded; only "
         "adapter_model.safetensors is accepted",
-        "rank_too_large  adapter_config.json: LoRA rank 32 is greater than max_lora_rank 16.",
+        "rank_too_large  adapter_config.json: LoRA rank 32 is greater than max_lora_rank 16. "
+        "The limit is the sidecar's --max-lora-rank (LORA_SIDECAR_MAX_LORA_RANK), which must "
+        "equal the engine's max_lora_rank (vllm_model's model.json): raise both together, or "
+        "train the adapter at a lower rank.",
     ]
 
     out = io.StringIO()
