@@ -23,23 +23,18 @@ from ..errors import (
     SidecarError,
     StageTimeout,
 )
-from ..fsutil import fsync_dir, iso_utc, remove_tree
+from ..fsutil import EntryKind, fsync_dir, iso_utc, remove_tree
 from ..ids import is_valid_adapter_id
 from ..logs import fields
 from ..metrics import Metrics
 from ..registry.base import AdapterSource, FetchedFile, Listing, RemoteFile
-from ..validation.validate import (
-    CHECKSUMS_FILE,
-    WEIGHTS_FILE,
-    Problem,
-    Rules,
-    check_file_name,
-    validate_adapter,
-)
+from ..validation.files import CHECKSUMS_FILE, WEIGHTS_FILE, plan_files
+from ..validation.problem import Problem
+from ..validation.validate import Rules, validate_adapter
 from ..validation.values import ValueReport, ValueScan, finish_scan
 from .leases import Lease
 from .lru import CachedAdapter
-from .records import RECORD_NAME, AdapterRecord, Check, FileRecord, write_record
+from .records import AdapterRecord, Check, FileRecord, write_record
 from .store import AdapterStore
 
 log = logging.getLogger(__name__)
@@ -291,21 +286,18 @@ class Stager:
                 self._remember_not_found(exc)
             raise
         self._on_source_result(None)
-        problems = [
-            Problem("unsafe_path", name, f"registry entry {name!r} would leave the adapter "
-                    "folder (nested folder, '..', absolute path, backslash or link)")
-            for name in listing.unsafe_names
-        ]
-        problems += [p for f in listing.files if (p := check_file_name(f.name)) is not None]
-        if any(f.name == RECORD_NAME for f in listing.files):
-            # A record copied back into the registry describes some other cache; ours is
-            # written after validation and is the only one a published folder may carry.
-            log.info("ignoring %s in the registry for adapter_id=%s", RECORD_NAME, adapter_id)
-            listing = Listing([f for f in listing.files if f.name != RECORD_NAME],
-                              listing.unsafe_names)
-        if problems:
-            raise self._refuse(adapter_id, problems)
-        return listing
+        plan = plan_files([(f.name, EntryKind.FILE) for f in listing.files]
+                          + [(entry.path, entry.kind) for entry in listing.others])
+        if plan.problems:
+            raise self._refuse(adapter_id, list(plan.problems))
+        if plan.ignored:
+            log.info("adapter_id=%s: leaving out %d registry entries the engine never reads "
+                     "(never downloaded or published): %s", adapter_id, len(plan.ignored),
+                     plan.ignored_text(), extra=fields(event="entries_ignored",
+                                                       adapter_id=adapter_id,
+                                                       ignored=list(plan.ignored)))
+        fetched = set(plan.fetched)
+        return Listing([f for f in listing.files if f.name in fetched])
 
     async def _fetch_and_validate(
         self, adapter_id: str, listing: Listing, staging: Path
