@@ -76,11 +76,16 @@ def _fail(args: argparse.Namespace, error: ClientError) -> int:
         print(json.dumps(error.body, indent=2))
     else:
         print(f"error: {error.body.get('error')}: {_message(args, error.body)}", file=sys.stderr)
-        for problem in error.body.get("problems", []) or []:
-            if isinstance(problem, dict):
-                print(f"  - {problem.get('code')} {problem.get('file')}: "
-                      f"{problem.get('message')}", file=sys.stderr)
+        _print_problems(error.body)
     return EXIT_FAILED
+
+
+def _print_problems(body: dict[str, Any]) -> None:
+    """A refusal's problems, one line each (the message above them does not repeat them)."""
+    for problem in body.get("problems", []) or []:
+        if isinstance(problem, dict):
+            print(f"  - {problem.get('code')} {problem.get('file')}: "
+                  f"{problem.get('message')}", file=sys.stderr)
 
 
 def _token(args: argparse.Namespace) -> str | None:
@@ -112,7 +117,25 @@ def _message(args: argparse.Namespace, body: dict[str, Any]) -> str:
                 "LORA_SIDECAR_API_TOKEN): pass the token the sidecar was started with")
     if code == "stage_timeout":
         return f"{message} (--timeout sets how long this command waits)"
+    if code == "invalid_adapter" and body.get("problems"):
+        return _refusal(args, body)
     return message
+
+
+def _refusal(args: argparse.Namespace, body: dict[str, Any]) -> str:
+    """The head of a refusal; the API's message also quotes the first problems, which the
+    command line lists in full below it."""
+    adapter_id = body.get("adapter_id") or getattr(args, "adapter_id", "")
+    count = len(body["problems"])
+    head = f"adapter {adapter_id} was refused by validation ({count} problem" + (
+        "s)" if count > 1 else ")")
+    until = body.get("remembered_until")
+    if body.get("remembered"):
+        head += f", at {body.get('refused_at')}: this is that remembered verdict"
+    if until:
+        head += (f"; the verdict is kept until {until} (--refusal-ttl): after fixing the "
+                 f"adapter, `lora-sidecar evict {adapter_id}` clears it now")
+    return head
 
 
 def _check_ids(ids: list[str]) -> None:
@@ -217,6 +240,7 @@ def cmd_prewarm(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"FAILED {adapter_id}: {exc.body.get('error')}: "
                       f"{_message(args, exc.body)}", file=sys.stderr)
+                _print_problems(exc.body)
             continue
         results[adapter_id] = answer
         if not args.json:

@@ -16,6 +16,7 @@ import pytest
 from sidecar.app import Sidecar
 from sidecar.config import OPTIONS, Settings, format_size, parse_size
 from sidecar.errors import ConfigError
+from tests.broken_adapters import edit_config
 from tests.conftest import StartSidecar, call, local_registry_adapter, make_settings
 
 
@@ -159,6 +160,32 @@ async def test_prewarm_exits_zero_only_when_every_adapter_is_staged(
     report = json.loads(out)
     assert report["failed"] == ["missing"]
     assert report["results"]["missing"]["error"] == "adapter_not_found"
+
+
+async def test_a_refused_stage_prints_each_problem_once_and_how_to_clear_the_verdict(
+    tmp_path: Path, start_sidecar: StartSidecar
+) -> None:
+    folder = local_registry_adapter(tmp_path, "bad-v1", rank=32)
+    edit_config(folder, use_dora=True)
+    sidecar = await start_sidecar(make_settings(tmp_path))
+
+    for attempt in ("first", "remembered"):
+        code, _, err = await run_cli("stage", "bad-v1", "--url", sidecar.url)
+
+        assert code == 1, err
+        lines = err.splitlines()
+        assert lines[0].startswith("error: invalid_adapter: adapter bad-v1 was refused by "
+                                   "validation (2 problems")
+        assert "`lora-sidecar evict bad-v1` clears it now" in lines[0]
+        assert ("remembered verdict" in lines[0]) is (attempt == "remembered")
+        for what in ("rank_too_large adapter_config.json",
+                     "dora_not_supported adapter_config.json"):
+            assert [line.startswith(f"  - {what}: ") for line in lines[1:]].count(True) == 1
+        assert err.count("greater than max_lora_rank") == 1, err
+
+    code, _, err = await run_cli("prewarm", "bad-v1", "--url", sidecar.url, "--ready-timeout", "1")
+    assert code == 1
+    assert err.count("greater than max_lora_rank") == 1, err
 
 
 async def test_client_commands_report_an_unreachable_sidecar() -> None:
