@@ -397,7 +397,8 @@ def serve(settings: Settings, lock: CacheLock | None = None) -> int:
     if not is_loopback(settings.host) and settings.api_token is None:
         log.warning("binding to %s without --api-token: anyone who can reach this port can "
                     "evict and pin adapters", settings.host)
-    log.info("settings: %s", settings.describe())
+    log.info("settings: %s", settings.changes(),
+             extra=fields(event="settings", settings=settings.describe()))
     try:
         return asyncio.run(_run(settings, lock))
     except KeyboardInterrupt:

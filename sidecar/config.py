@@ -7,6 +7,7 @@ variables (`LORA_SIDECAR_<NAME>`) and `--help` are all generated from that table
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import math
 import os
@@ -549,7 +550,7 @@ class Settings:
         return cls(**parsed)
 
     def describe(self) -> dict[str, Any]:
-        """Settings as shown in logs and /healthz: secrets hidden."""
+        """Settings as shown in logs, as JSON values: secrets hidden, lists as given."""
         shown: dict[str, Any] = {}
         for option in OPTIONS:
             value = getattr(self, option.field)
@@ -565,8 +566,24 @@ class Settings:
                 value = value.text
             elif isinstance(value, str):
                 value = hide_password(value)
+            elif isinstance(value, tuple):
+                value = ",".join(value)
             shown[option.field] = value
         return shown
+
+    def changes(self) -> str:
+        """One short line for the start-up log: `key=value` for each setting that differs
+        from its default (describe() has them all)."""
+        defaults = Settings.from_values({}).describe()
+        pairs = [f"{key}={_logfmt(value)}" for key, value in self.describe().items()
+                 if value != defaults[key]]
+        return " ".join(pairs) or "all at their defaults"
+
+
+def _logfmt(value: object) -> str:
+    text = "none" if value is None else str(value).lower() if isinstance(value, bool) else str(
+        value)
+    return json.dumps(text) if not text or any(c in text for c in ' "=\t\n') else text
 
 
 def _read_token(path: Path, problems: list[str]) -> str | None:

@@ -198,7 +198,7 @@ def test_binding_beyond_loopback_warns_without_a_token_and_the_token_stays_out_o
     assert "without --api-token" in open_log.read_text()
     log_text = locked_log.read_text()
     assert "without --api-token" not in log_text
-    assert "'api_token': '<set>'" in log_text  # the settings line shows that it is set...
+    assert "api_token=<set>" in log_text  # the settings line shows that it is set...
     assert TOKEN not in log_text  # ...and never what it is
 
 
