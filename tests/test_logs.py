@@ -3,6 +3,7 @@ carrying its adapter id, bytes, duration and outcome; no credential is ever writ
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -12,11 +13,18 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from sidecar.config import LogFormat, Settings
 from sidecar.logs import JsonFormatter, fields
 from tests.broken_adapters import CORPUS
-from tests.conftest import S3Registry, call
+from tests.conftest import (
+    S3Registry,
+    StartSidecar,
+    call,
+    local_registry_adapter,
+    make_settings,
+)
 from tests.observing import eventually
 from tests.processes import SidecarProcess
 
@@ -105,6 +113,23 @@ async def test_json_log_lines_carry_each_state_change_and_no_credential(
     assert AWS_SECRET not in text
     assert API_TOKEN not in text
     assert "wrong-token" not in text
+
+
+async def test_a_failed_stage_is_one_warning_however_many_callers_wait_for_it(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    local_registry_adapter(tmp_path, "big-v1")
+    sidecar = await start_sidecar(make_settings(tmp_path, max_bytes=1024))
+    caplog.set_level(logging.INFO)
+
+    answers = await asyncio.gather(*(
+        call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "big-v1"}) for _ in range(3)))
+
+    assert [(status, body["error"]) for status, body in answers] == [(507, "cache_full")] * 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("stage failed adapter_id=big-v1")
 
 
 def test_text_is_the_default_and_settings_hide_a_password_in_a_url() -> None:

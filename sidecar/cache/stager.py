@@ -216,6 +216,7 @@ class Stager:
                                refused_at=iso_utc(refused_at), remembered_until=until)
         if self._refusal_ttl_s > 0:
             self._refused[adapter_id] = (time.monotonic() + self._refusal_ttl_s, error)
+        error.logged = True
         log.warning("refused adapter_id=%s problems=%d: %s", adapter_id, len(problems),
                     "; ".join(f"{p.code} {p.file}" for p in problems),
                     extra=fields(event="refused", adapter_id=adapter_id,
@@ -444,6 +445,7 @@ def _log_failure(adapter_id: str, error: SidecarError, elapsed_s: float) -> None
             error.code, error.message,
             extra=fields(event="stage_failed", adapter_id=adapter_id, error=error.code,
                          duration_s=round(elapsed_s, 3)))
+    error.logged = True
 
 
 def _disk_error(adapter_id: str, exc: OSError) -> SidecarError:
