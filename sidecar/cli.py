@@ -319,7 +319,8 @@ def cmd_examples(args: argparse.Namespace) -> int:
 
 def _client_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
                    help_text: str, handler: Handler) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(name, help=help_text, description=help_text)
+    parser = subparsers.add_parser(name, help=help_text, description=help_text,
+                                   allow_abbrev=False)
     parser.add_argument("--url", default=os.environ.get("LORA_SIDECAR_URL", DEFAULT_URL),
                         help=f"the sidecar's address [LORA_SIDECAR_URL; default {DEFAULT_URL}]")
     parser.add_argument("--token", default=None,
@@ -355,7 +356,8 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 
 def add_validate_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "validate", help="check a local adapter folder with the sidecar's rules",
+        "validate", allow_abbrev=False,
+        help="check a local adapter folder with the sidecar's rules",
         description="Check a local adapter folder with the same rules the sidecar applies "
         "before publishing; exit 0 if valid, 1 with every problem listed if not.",
     )
@@ -373,7 +375,7 @@ def add_validate_command(subparsers: argparse._SubParsersAction[argparse.Argumen
 
 def add_examples_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "examples",
+        "examples", allow_abbrev=False,
         help="write two small example adapters into an empty local registry",
         description="Write two small, valid example adapters (example-support-v1, "
         "example-sql-v1) into FOLDER if it is empty or does not exist. Exit 0 when they were "

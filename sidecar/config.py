@@ -299,6 +299,7 @@ class Option:
     help: str
     metavar: str = "VALUE"
     secret: bool = False
+    default_text: str = ""  # --help's default where the raw value would not say (empty ones)
 
     @property
     def env_var(self) -> str:
@@ -313,7 +314,7 @@ OPTIONS: tuple[Option, ...] = (
            "the cache volume shared with Triton (adapters/, .staging/, .trash/)", "DIR"),
     Option("triton_cache_root", "--triton-cache-root", _parse_absolute_path, "",
            "the cache root as Triton's container sees it, used in the paths handed out "
-           "and in multi_lora.json (default: --cache-root, made absolute)", "DIR"),
+           "and in multi_lora.json", "DIR", default_text="--cache-root, made absolute"),
     Option("host", "--host", _parse_host, "127.0.0.1",
            "address the HTTP API binds to; anything but loopback should set --api-token",
            "ADDR"),
@@ -321,8 +322,8 @@ OPTIONS: tuple[Option, ...] = (
            "PORT"),
     Option("metrics_host", "--metrics-host", _parse_optional_str, "",
            "address of a second, read-only listener (GET /metrics, /metrics/epp, /healthz, "
-           "/readyz), e.g. the pod IP or 0.0.0.0, while the API stays on --host "
-           "(default: none)", "ADDR"),
+           "/readyz), e.g. the pod IP or 0.0.0.0, while the API stays on --host", "ADDR",
+           default_text="none: no second listener"),
     Option("metrics_port", "--metrics-port", _parse_port, "9400",
            "port of the --metrics-host listener", "PORT"),
     Option("epp_metrics", "--epp-metrics", _parse_bool, "false",
@@ -340,9 +341,10 @@ OPTIONS: tuple[Option, ...] = (
            "at start (only what differs is written), so Triton loads a repository on the "
            "cache volume while the template stays read-only", "DIR"),
     Option("s3_endpoint_url", "--s3-endpoint-url", _parse_http_url, "",
-           "S3-compatible endpoint, e.g. http://minio:9000 (default: AWS)", "URL"),
+           "S3-compatible endpoint, e.g. http://minio:9000", "URL", default_text="AWS S3"),
     Option("s3_region", "--s3-region", _parse_optional_str, "",
-           "S3 region (default: the AWS credential chain's region, else us-east-1)", "REGION"),
+           "S3 region", "REGION",
+           default_text="the AWS credential chain's region, else us-east-1"),
     Option("s3_connect_timeout_s", "--s3-connect-timeout", _positive(_parse_float), "5",
            "seconds to wait for a connection to the registry", "SECONDS"),
     Option("s3_read_timeout_s", "--s3-read-timeout", _positive(_parse_float), "30",
@@ -386,8 +388,8 @@ OPTIONS: tuple[Option, ...] = (
            "largest LoRA rank the served engine accepts (vLLM's max_lora_rank)", "N"),
     Option("allowed_target_modules", "--allowed-target-modules", _parse_modules,
            ",".join(LLAMA_TARGET_MODULES),
-           "modules an adapter may target (comma-separated; default: the Llama family's)",
-           "NAMES"),
+           "modules an adapter may target (comma-separated)", "NAMES",
+           default_text="the Llama family's projections, " + ",".join(LLAMA_TARGET_MODULES)),
     Option("base_model", "--base-model", _parse_optional_str, "",
            "when set, an adapter's base_model_name_or_path must equal it", "NAME"),
     Option("base_model_config", "--base-model-config", _parse_existing_file, "",

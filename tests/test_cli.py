@@ -40,6 +40,47 @@ def test_serve_help_documents_every_option_and_its_environment_variable() -> Non
         assert option.env_var in result.stdout
 
 
+def test_serve_help_is_in_sections_and_states_each_default_once() -> None:
+    from sidecar.__main__ import SERVE_SECTIONS, build_parser
+
+    sectioned = [name for _, names in SERVE_SECTIONS for name in names]
+    assert sorted(sectioned) == sorted(o.field for o in OPTIONS)  # each in exactly one
+    serve = next(a for a in build_parser()._subparsers._group_actions  # type: ignore[union-attr]
+                 ).choices["serve"]
+    groups = {g.title: [a.dest for a in g._group_actions] for g in serve._action_groups}
+    for title, names in SERVE_SECTIONS:
+        assert groups[title] == list(names)
+    for action in serve._actions:
+        if action.dest in sectioned:
+            assert action.help is not None and action.help.count("default") == 1, action.help
+    text = serve.format_help()
+    assert "other options" not in text
+    for code in ("0  stopped by SIGTERM", "1  the port could not be bound",
+                 "2  the configuration cannot work", "3  another lora-sidecar owns the cache"):
+        assert f"  {code}" in text
+
+
+@pytest.mark.parametrize("args", [
+    ["serve", "--max-byte", "10GiB"],
+    ["stage", "a", "--time", "5"],
+    ["validate", ".", "--max-lora", "32"],
+    ["examples", "--skip-if", "folder"],
+])
+def test_a_unique_prefix_of_an_option_is_refused_not_guessed(args: list[str]) -> None:
+    result = subprocess.run([sys.executable, "-m", "sidecar", *args], capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert f"unrecognized arguments: {args[-2]}" in result.stderr
+
+
+def test_version_is_the_installed_distribution() -> None:
+    from importlib.metadata import version
+
+    result = subprocess.run([sys.executable, "-m", "sidecar", "--version"],
+                            capture_output=True, text=True, timeout=30)
+    assert (result.returncode, result.stdout) == (0, f"lora-sidecar {version('lora-sidecar')}\n")
+
+
 def test_bad_configuration_lists_every_problem_at_start(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "sidecar", "serve", "--port", "99999", "--max-bytes", "lots",
