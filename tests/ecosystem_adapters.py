@@ -41,11 +41,16 @@ def write_trainer_output(folder: Path, *, seed: int = 0, rank: int = 8) -> None:
     (folder / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {}}))
     (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 2048}))
     (folder / "special_tokens_map.json").write_text(json.dumps({"eos_token": "</s>"}))
-    checkpoint = folder / "checkpoint-500"
-    write_adapter(checkpoint, seed=seed, rank=rank)
+    write_trainer_checkpoint(folder / "checkpoint-500", seed=seed, rank=rank)
+
+
+def write_trainer_checkpoint(folder: Path, *, seed: int = 0, rank: int = 8) -> None:
+    """One `checkpoint-N/` folder of a Trainer run of a PEFT model, as it is saved: the adapter
+    with the optimizer's, scheduler's and random generators' states and the trainer's."""
+    write_adapter(folder, seed=seed, rank=rank)
     for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin"):
-        (checkpoint / name).write_bytes(pickle.dumps({"state": name}))
-    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 500}))
+        (folder / name).write_bytes(pickle.dumps({"state": name}))
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 500}))
 
 
 def files_below(folder: Path) -> dict[str, bytes]:

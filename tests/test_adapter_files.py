@@ -23,6 +23,7 @@ from tests.ecosystem_adapters import (
     WEIGHTS,
     files_below,
     write_hf_download,
+    write_trainer_checkpoint,
     write_trainer_output,
 )
 from tests.observing import eventually
@@ -31,12 +32,15 @@ from tests.test_upload_adapters import Bucket, _upload
 LAYOUTS: dict[str, Callable[..., None]] = {
     "hf-download-v1": write_hf_download,
     "trainer-output-v1": write_trainer_output,
+    "trainer-checkpoint-v1": write_trainer_checkpoint,
 }
 SERVED = {CONFIG, WEIGHTS}  # what the engine reads, and all a published folder holds
 LEFT_OUT = {
     "hf-download-v1": [".cache/", ".gitattributes", "README.md"],
     "trainer-output-v1": ["README.md", "checkpoint-500/", "special_tokens_map.json",
                           "tokenizer.json", "tokenizer_config.json", "training_args.bin"],
+    "trainer-checkpoint-v1": ["optimizer.pt", "rng_state.pth", "scheduler.pt",
+                              "trainer_state.json", "training_args.bin"],
 }
 
 

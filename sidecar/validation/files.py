@@ -122,9 +122,10 @@ def plan_files(entries: Iterable[tuple[str, EntryKind]]) -> FilePlan:
         else:
             problems.append(Problem("forbidden_file", shown(name), "pickle-based weights, and "
                                     f"no {WEIGHTS_FILE}: the engine would load them with "
-                                    "torch.load, which can run code. Save the adapter as "
-                                    f"safetensors (PEFT's save_pretrained writes {WEIGHTS_FILE} "
-                                    "unless safe_serialization=False)"))
+                                    "torch.load, which can run code. Convert them where the "
+                                    "file is trusted: PEFT's PeftModel.from_pretrained(...)"
+                                    f".save_pretrained(folder) writes {WEIGHTS_FILE} (its "
+                                    "default, safe_serialization=True)"))
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if name not in present and not (name == WEIGHTS_FILE and pickles):
             hint = [p for p in nested if p.endswith(f"/{name}")]
