@@ -5,11 +5,13 @@ them down in order (HTTP first, storage client last).
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import gc
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Awaitable
 from pathlib import Path
@@ -28,7 +30,7 @@ from .catalog.naming import Naming, StoreView
 from .catalog.registry_view import RegistryView
 from .catalog.reloads import Reloads
 from .catalog.seed import REPOSITORY_DIR, seed_model_repository
-from .config import Settings, is_loopback
+from .config import Settings, is_loopback, option_for
 from .errors import CacheOwned, ConfigError, SidecarError, SourceUnavailable
 from .exits import EXIT_CACHE_OWNED, EXIT_FAILED, EXIT_OK
 from .logs import configure_logging, fields
@@ -156,14 +158,15 @@ class Sidecar:
                                               cache_root=str(self.settings.cache_root)))
         try:
             await self._listen()
-        except BaseException as exc:
+        except BaseException:
             for runner in (self._runner, self._metrics_runner):
                 if runner is not None:
                     await runner.cleanup()
             self._runner = self._metrics_runner = None
             await self.source.close()
-            # Refused settings leave nothing behind, not even a cache root made for the lock.
-            self.lock.release(undo=isinstance(exc, ConfigError))
+            # A start that fails (refused settings, a port in use) leaves nothing behind, not
+            # even a cache root made for the lock, when nothing else was written into it.
+            self.lock.release(undo=True)
             raise
         self._started = True
         self.lock.set_port(self.port)
@@ -194,12 +197,12 @@ class Sidecar:
             recovered=self.recovered, on_unpin=self.unpin, epp=self.epp,
             registry=self.registry_view,
         )
-        self._runner, self.port = await _serve_http(build_web_app(services),
-                                                    self.settings.host, self.settings.port)
+        self._runner, self.port = await _serve_http(
+            build_web_app(services), self.settings.host, self.settings.port, "port")
         if self.settings.metrics_host is not None:
             self._metrics_runner, self.metrics_port = await _serve_http(
                 build_web_app(services, READ_ONLY_ROUTES), self.settings.metrics_host,
-                self.settings.metrics_port)
+                self.settings.metrics_port, "metrics_port")
             log.info("read-only listener (metrics, probes) on http://%s:%d",
                      self.settings.metrics_host, self.metrics_port)
 
@@ -355,8 +358,10 @@ class Sidecar:
         self.metrics.registry_errors.labels(operation=operation).inc()
 
 
-async def _serve_http(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve `app` on host:port; the runner and the port bound (port 0 picks one)."""
+async def _serve_http(app: web.Application, host: str, port: int,
+                      port_setting: str) -> tuple[web.AppRunner, int]:
+    """Serve `app` on host:port; the runner and the port bound (port 0 picks one). A port
+    that cannot be bound raises OSError saying which setting chose it."""
     runner = web.AppRunner(
         app,
         access_log=None,
@@ -370,11 +375,29 @@ async def _serve_http(app: web.Application, host: str, port: int) -> tuple[web.A
     site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
     try:
         await site.start()
-    except OSError:
+    except OSError as exc:
         await runner.cleanup()
-        raise
+        raise OSError(exc.errno, _bind_failure(exc, host, port, port_setting)) from exc
     sockets = getattr(site._server, "sockets", None) or []
     return runner, sockets[0].getsockname()[1] if sockets else port
+
+
+def _bind_failure(exc: OSError, host: str, port: int, port_setting: str) -> str:
+    chosen = option_for(port_setting)
+    host_option = option_for("metrics_host" if port_setting == "metrics_port" else "host")
+    where = f"{host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return (f"port {port} on {host} is already in use (another lora-sidecar, or another "
+                f"program): stop it, or choose another port with {chosen.flag} "
+                f"({chosen.env_var})")
+    if exc.errno == errno.EACCES:
+        return (f"binding {where} is not permitted (ports below 1024 need privileges): "
+                f"choose another port with {chosen.flag} ({chosen.env_var})")
+    if exc.errno == errno.EADDRNOTAVAIL or isinstance(exc, socket.gaierror):
+        return (f"{host} is not an address of this machine: choose another with "
+                f"{host_option.flag} ({host_option.env_var})")
+    return (f"cannot listen on {where}: {exc.strerror or exc} ({chosen.flag}, "
+            f"{host_option.flag})")
 
 
 def _check_writable(folder: Path) -> str | None:
@@ -400,7 +423,8 @@ def serve(settings: Settings, lock: CacheLock | None = None) -> int:
     if not is_loopback(settings.host) and settings.api_token is None:
         log.warning("binding to %s without --api-token: anyone who can reach this port can "
                     "evict and pin adapters", settings.host)
-    log.info("settings: %s", settings.describe())
+    log.info("settings: %s", settings.changes(),
+             extra=fields(event="settings", settings=settings.describe()))
     try:
         return asyncio.run(_run(settings, lock))
     except KeyboardInterrupt:
@@ -421,7 +445,7 @@ async def _run(settings: Settings, lock: CacheLock | None) -> int:
         await sidecar.stop()
         return EXIT_CACHE_OWNED
     except OSError as exc:
-        log.error("cannot start: %s", exc)
+        log.error("cannot start: %s", exc.strerror or exc)
         await sidecar.stop()
         return EXIT_FAILED
     # What is built so far lives as long as the process: out of the collector's sight (hit path).

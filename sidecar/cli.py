@@ -76,11 +76,16 @@ def _fail(args: argparse.Namespace, error: ClientError) -> int:
         print(json.dumps(error.body, indent=2))
     else:
         print(f"error: {error.body.get('error')}: {_message(args, error.body)}", file=sys.stderr)
-        for problem in error.body.get("problems", []) or []:
-            if isinstance(problem, dict):
-                print(f"  - {problem.get('code')} {problem.get('file')}: "
-                      f"{problem.get('message')}", file=sys.stderr)
+        _print_problems(error.body)
     return EXIT_FAILED
+
+
+def _print_problems(body: dict[str, Any]) -> None:
+    """A refusal's problems, one line each (the message above them does not repeat them)."""
+    for problem in body.get("problems", []) or []:
+        if isinstance(problem, dict):
+            print(f"  - {problem.get('code')} {problem.get('file')}: "
+                  f"{problem.get('message')}", file=sys.stderr)
 
 
 def _token(args: argparse.Namespace) -> str | None:
@@ -112,7 +117,25 @@ def _message(args: argparse.Namespace, body: dict[str, Any]) -> str:
                 "LORA_SIDECAR_API_TOKEN): pass the token the sidecar was started with")
     if code == "stage_timeout":
         return f"{message} (--timeout sets how long this command waits)"
+    if code == "invalid_adapter" and body.get("problems"):
+        return _refusal(args, body)
     return message
+
+
+def _refusal(args: argparse.Namespace, body: dict[str, Any]) -> str:
+    """The head of a refusal; the API's message also quotes the first problems, which the
+    command line lists in full below it."""
+    adapter_id = body.get("adapter_id") or getattr(args, "adapter_id", "")
+    count = len(body["problems"])
+    head = f"adapter {adapter_id} was refused by validation ({count} problem" + (
+        "s)" if count > 1 else ")")
+    until = body.get("remembered_until")
+    if body.get("remembered"):
+        head += f", at {body.get('refused_at')}: this is that remembered verdict"
+    if until:
+        head += (f"; the verdict is kept until {until} (--refusal-ttl): after fixing the "
+                 f"adapter, `lora-sidecar evict {adapter_id}` clears it now")
+    return head
 
 
 def _check_ids(ids: list[str]) -> None:
@@ -217,6 +240,7 @@ def cmd_prewarm(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"FAILED {adapter_id}: {exc.body.get('error')}: "
                       f"{_message(args, exc.body)}", file=sys.stderr)
+                _print_problems(exc.body)
             continue
         results[adapter_id] = answer
         if not args.json:
@@ -295,7 +319,8 @@ def cmd_examples(args: argparse.Namespace) -> int:
 
 def _client_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
                    help_text: str, handler: Handler) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(name, help=help_text, description=help_text)
+    parser = subparsers.add_parser(name, help=help_text, description=help_text,
+                                   allow_abbrev=False)
     parser.add_argument("--url", default=os.environ.get("LORA_SIDECAR_URL", DEFAULT_URL),
                         help=f"the sidecar's address [LORA_SIDECAR_URL; default {DEFAULT_URL}]")
     parser.add_argument("--token", default=None,
@@ -331,7 +356,8 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 
 def add_validate_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "validate", help="check a local adapter folder with the sidecar's rules",
+        "validate", allow_abbrev=False,
+        help="check a local adapter folder with the sidecar's rules",
         description="Check a local adapter folder with the same rules the sidecar applies "
         "before publishing; exit 0 if valid, 1 with every problem listed if not.",
     )
@@ -349,7 +375,7 @@ def add_validate_command(subparsers: argparse._SubParsersAction[argparse.Argumen
 
 def add_examples_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "examples",
+        "examples", allow_abbrev=False,
         help="write two small example adapters into an empty local registry",
         description="Write two small, valid example adapters (example-support-v1, "
         "example-sql-v1) into FOLDER if it is empty or does not exist. Exit 0 when they were "

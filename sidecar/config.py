@@ -7,6 +7,7 @@ variables (`LORA_SIDECAR_<NAME>`) and `--help` are all generated from that table
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import math
 import os
@@ -298,6 +299,7 @@ class Option:
     help: str
     metavar: str = "VALUE"
     secret: bool = False
+    default_text: str = ""  # --help's default where the raw value would not say (empty ones)
 
     @property
     def env_var(self) -> str:
@@ -312,7 +314,7 @@ OPTIONS: tuple[Option, ...] = (
            "the cache volume shared with Triton (adapters/, .staging/, .trash/)", "DIR"),
     Option("triton_cache_root", "--triton-cache-root", _parse_absolute_path, "",
            "the cache root as Triton's container sees it, used in the paths handed out "
-           "and in multi_lora.json (default: --cache-root, made absolute)", "DIR"),
+           "and in multi_lora.json", "DIR", default_text="--cache-root, made absolute"),
     Option("host", "--host", _parse_host, "127.0.0.1",
            "address the HTTP API binds to; anything but loopback should set --api-token",
            "ADDR"),
@@ -320,8 +322,8 @@ OPTIONS: tuple[Option, ...] = (
            "PORT"),
     Option("metrics_host", "--metrics-host", _parse_optional_str, "",
            "address of a second, read-only listener (GET /metrics, /metrics/epp, /healthz, "
-           "/readyz), e.g. the pod IP or 0.0.0.0, while the API stays on --host "
-           "(default: none)", "ADDR"),
+           "/readyz), e.g. the pod IP or 0.0.0.0, while the API stays on --host", "ADDR",
+           default_text="none: no second listener"),
     Option("metrics_port", "--metrics-port", _parse_port, "9400",
            "port of the --metrics-host listener", "PORT"),
     Option("epp_metrics", "--epp-metrics", _parse_bool, "false",
@@ -339,9 +341,10 @@ OPTIONS: tuple[Option, ...] = (
            "at start (only what differs is written), so Triton loads a repository on the "
            "cache volume while the template stays read-only", "DIR"),
     Option("s3_endpoint_url", "--s3-endpoint-url", _parse_http_url, "",
-           "S3-compatible endpoint, e.g. http://minio:9000 (default: AWS)", "URL"),
+           "S3-compatible endpoint, e.g. http://minio:9000", "URL", default_text="AWS S3"),
     Option("s3_region", "--s3-region", _parse_optional_str, "",
-           "S3 region (default: the AWS credential chain's region, else us-east-1)", "REGION"),
+           "S3 region", "REGION",
+           default_text="the AWS credential chain's region, else us-east-1"),
     Option("s3_connect_timeout_s", "--s3-connect-timeout", _positive(_parse_float), "5",
            "seconds to wait for a connection to the registry", "SECONDS"),
     Option("s3_read_timeout_s", "--s3-read-timeout", _positive(_parse_float), "30",
@@ -390,8 +393,8 @@ OPTIONS: tuple[Option, ...] = (
            "largest LoRA rank the served engine accepts (vLLM's max_lora_rank)", "N"),
     Option("allowed_target_modules", "--allowed-target-modules", _parse_modules,
            ",".join(LLAMA_TARGET_MODULES),
-           "modules an adapter may target (comma-separated; default: the Llama family's)",
-           "NAMES"),
+           "modules an adapter may target (comma-separated)", "NAMES",
+           default_text="the Llama family's projections, " + ",".join(LLAMA_TARGET_MODULES)),
     Option("base_model", "--base-model", _parse_optional_str, "",
            "when set, an adapter's base_model_name_or_path must equal it", "NAME"),
     Option("base_model_config", "--base-model-config", _parse_existing_file, "",
@@ -554,7 +557,7 @@ class Settings:
         return cls(**parsed)
 
     def describe(self) -> dict[str, Any]:
-        """Settings as shown in logs and /healthz: secrets hidden."""
+        """Settings as shown in logs, as JSON values: secrets hidden, lists as given."""
         shown: dict[str, Any] = {}
         for option in OPTIONS:
             value = getattr(self, option.field)
@@ -570,8 +573,24 @@ class Settings:
                 value = value.text
             elif isinstance(value, str):
                 value = hide_password(value)
+            elif isinstance(value, tuple):
+                value = ",".join(value)
             shown[option.field] = value
         return shown
+
+    def changes(self) -> str:
+        """One short line for the start-up log: `key=value` for each setting that differs
+        from its default (describe() has them all)."""
+        defaults = Settings.from_values({}).describe()
+        pairs = [f"{key}={_logfmt(value)}" for key, value in self.describe().items()
+                 if value != defaults[key]]
+        return " ".join(pairs) or "all at their defaults"
+
+
+def _logfmt(value: object) -> str:
+    text = "none" if value is None else str(value).lower() if isinstance(value, bool) else str(
+        value)
+    return json.dumps(text) if not text or any(c in text for c in ' "=\t\n') else text
 
 
 def _read_token(path: Path, problems: list[str]) -> str | None:

@@ -19,6 +19,9 @@ class SidecarError(Exception):
         super().__init__(message)
         self.message = message
         self.adapter_id = adapter_id
+        # Set by the one that logged it (the stager, for a failed stage), so the API does not
+        # log it again for each caller it answers.
+        self.logged = False
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"error": self.code, "message": self.message}

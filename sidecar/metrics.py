@@ -8,13 +8,15 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from aiohttp.typedefs import Handler
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
+
+from .version import build_info
 
 if TYPE_CHECKING:
     from .cache.stager import Stager
@@ -139,6 +141,11 @@ class Metrics:
             "lora_sidecar_triton_reloads", "Reloads of the vLLM model asked of Triton, by outcome.",
             ["outcome"], registry=r,
         )
+        self.build = Info(
+            "lora_sidecar_build", "The running lora-sidecar: its version and Python's.",
+            registry=r,
+        )
+        self.build.info(build_info())
         for result in ("hit", "miss", "error"):  # every series exists from the first scrape
             self.stage_requests.labels(result=result)
             self.stage_duration.labels(result=result)

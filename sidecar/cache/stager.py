@@ -5,6 +5,7 @@ caller of that id awaits the same task, and leases the adapter once it is publis
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
 import time
@@ -23,23 +24,18 @@ from ..errors import (
     SidecarError,
     StageTimeout,
 )
-from ..fsutil import fsync_dir, iso_utc, remove_tree
+from ..fsutil import EntryKind, fsync_dir, iso_utc, remove_tree
 from ..ids import is_valid_adapter_id
 from ..logs import fields
 from ..metrics import Metrics
 from ..registry.base import AdapterSource, FetchedFile, Listing, RemoteFile
-from ..validation.validate import (
-    CHECKSUMS_FILE,
-    WEIGHTS_FILE,
-    Problem,
-    Rules,
-    check_file_name,
-    validate_adapter,
-)
+from ..validation.files import CHECKSUMS_FILE, WEIGHTS_FILE, plan_files
+from ..validation.problem import Problem
+from ..validation.validate import Rules, validate_adapter
 from ..validation.values import ValueReport, ValueScan, finish_scan
 from .leases import Lease
 from .lru import CachedAdapter
-from .records import RECORD_NAME, AdapterRecord, Check, FileRecord, write_record
+from .records import AdapterRecord, Check, FileRecord, write_record
 from .store import AdapterStore
 
 log = logging.getLogger(__name__)
@@ -236,7 +232,7 @@ class Stager:
         refused = self._refused.get(adapter_id)
         if refused is None:
             return
-        if refused.listing == listing.signature():
+        if refused.listing == listing.upload:
             refused.checked = time.monotonic()
             raise refused.error.recalled()
         del self._refused[adapter_id]
@@ -255,7 +251,8 @@ class Stager:
         if self._refusal_ttl_s > 0:
             now = time.monotonic()
             self._refused[adapter_id] = _Refusal(now + self._refusal_ttl_s, error,
-                                                 listing.signature(), now)
+                                                 listing.upload, now)
+        error.logged = True
         log.warning("refused adapter_id=%s problems=%d: %s", adapter_id, len(problems),
                     "; ".join(f"{p.code} {p.file}" for p in problems),
                     extra=fields(event="refused", adapter_id=adapter_id,
@@ -341,22 +338,22 @@ class Stager:
                 self._remember_not_found(exc)
             raise
         self._on_source_result(None)
-        problems = [
-            Problem("unsafe_path", name, f"registry entry {name!r} would leave the adapter "
-                    "folder (nested folder, '..', absolute path, backslash or link)")
-            for name in listing.unsafe_names
-        ]
-        problems += [p for f in listing.files if (p := check_file_name(f.name)) is not None]
+        # The whole upload as listed: a remembered refusal holds for exactly it.
+        listing = dataclasses.replace(listing, upload=listing.signature())
         self._recall(adapter_id, listing)
-        if any(f.name == RECORD_NAME for f in listing.files):
-            # A record copied back into the registry describes some other cache; ours is
-            # written after validation and is the only one a published folder may carry.
-            log.info("ignoring %s in the registry for adapter_id=%s", RECORD_NAME, adapter_id)
-            listing = Listing([f for f in listing.files if f.name != RECORD_NAME],
-                              listing.unsafe_names, listing.listed_at)
-        if problems:
-            raise self._refuse(adapter_id, problems, listing)
-        return listing
+        plan = plan_files([(f.name, EntryKind.FILE) for f in listing.files]
+                          + [(entry.path, entry.kind) for entry in listing.others])
+        if plan.problems:
+            raise self._refuse(adapter_id, list(plan.problems), listing)
+        if plan.ignored:
+            log.info("adapter_id=%s: leaving out %d registry entries the engine never reads "
+                     "(never downloaded or published): %s", adapter_id, len(plan.ignored),
+                     plan.ignored_text(), extra=fields(event="entries_ignored",
+                                                       adapter_id=adapter_id,
+                                                       ignored=list(plan.ignored)))
+        fetched = set(plan.fetched)
+        return dataclasses.replace(listing, files=[f for f in listing.files if f.name in fetched],
+                                   others=[])
 
     async def _fetch_and_validate(
         self, adapter_id: str, listing: Listing, staging: Path
@@ -498,6 +495,7 @@ def _log_failure(adapter_id: str, error: SidecarError, elapsed_s: float) -> None
             error.code, error.message,
             extra=fields(event="stage_failed", adapter_id=adapter_id, error=error.code,
                          duration_s=round(elapsed_s, 3)))
+    error.logged = True
 
 
 def _disk_error(adapter_id: str, exc: OSError) -> SidecarError:

@@ -8,10 +8,11 @@ import logging
 import posixpath
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from ..fsutil import EntryKind
 from ..ids import ADAPTER_ID_PATTERN
 from ..logs import fields
 from .transfer import Inspector
@@ -39,10 +40,22 @@ class FetchedFile:
 
 
 @dataclass(frozen=True, slots=True)
+class Entry:
+    """An entry of an adapter folder that is not a fetchable file: what the registry saw."""
+
+    path: str  # inside the adapter folder, '/'-separated (an S3 key below `<id>/`)
+    kind: EntryKind
+
+
+@dataclass(frozen=True, slots=True)
 class Listing:
-    files: list[RemoteFile]
-    unsafe_names: list[str]  # keys that would leave the adapter folder: never fetched
+    """An adapter folder as the registry lists it. Which files are fetched is the stager's
+    decision (validation/files.py); a registry only ever fetches one of `files`."""
+
+    files: list[RemoteFile]  # plain files right in the folder, with names safe to write
+    others: list[Entry] = field(default_factory=list)  # all else: never fetched
     listed_at: float | None = None  # unix, by the registry's clock, when it answered
+    upload: tuple[object, ...] = ()  # signature() of the listing as the registry gave it
 
     def quiet_s(self) -> float | None:
         """Seconds since the newest file was stored, by the registry's own clock; None when
@@ -53,10 +66,10 @@ class Listing:
         return self.listed_at - max(times)
 
     def signature(self) -> tuple[object, ...]:
-        """What the listing says of the bytes (names, sizes, etags): equal only for the same
-        upload."""
+        """What the listing says of the bytes (names, sizes, etags, other entries): equal
+        only for the same upload."""
         return (tuple(sorted((f.name, f.size_bytes, f.etag) for f in self.files)),
-                tuple(sorted(self.unsafe_names)))
+                tuple(sorted((e.path, str(e.kind)) for e in self.others)))
 
 
 class AdapterSource(Protocol):
@@ -121,7 +134,8 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9._-][A-Za-z0-9._ -]{0,254}$")
 
 
 def is_safe_file_name(name: str) -> bool:
-    """A plain name that stays inside its folder: no separators, no `..`, no absolute path."""
+    """A plain name that stays inside its folder, fit to be written in a staging folder: no
+    separators, no `..`, no absolute path."""
     return (
         bool(_NAME_RE.fullmatch(name))
         and name not in (".", "..")

@@ -26,8 +26,9 @@ from ..errors import (
     SourceError,
     SourceUnavailable,
 )
+from ..fsutil import EntryKind
 from ..ids import is_valid_adapter_id
-from .base import FetchedFile, Listing, RemoteFile, SkippedFolders, is_safe_file_name
+from .base import Entry, FetchedFile, Listing, RemoteFile, SkippedFolders, is_safe_file_name
 from .checksum import crc32_hex, s3_checksum_hex
 from .httpranges import ConnectionPool, RangeReader
 from .proxies import botocore_proxies
@@ -120,7 +121,7 @@ class S3Source:
     async def list_files(self, adapter_id: str) -> Listing:
         folder = f"{self.prefix}{adapter_id}/"
         files: list[RemoteFile] = []
-        unsafe: list[str] = []
+        others: list[Entry] = []
         token: str | None = None
         listed_at: float | None = None
         while True:
@@ -132,8 +133,8 @@ class S3Source:
                 name = obj["Key"][len(folder):]
                 if name == "" and obj["Size"] == 0:
                     continue  # a "folder marker" some tools create
-                if not is_safe_file_name(name):
-                    unsafe.append(name)
+                if not is_safe_file_name(name):  # a nested key, or one that would leave
+                    others.append(Entry(name, EntryKind.FILE))
                     continue
                 modified = obj.get("LastModified")
                 files.append(RemoteFile(name, int(obj["Size"]), obj["ETag"], obj["Key"],
@@ -142,13 +143,13 @@ class S3Source:
             if not page.get("IsTruncated"):
                 break
             token = page.get("NextContinuationToken")
-        if not files and not unsafe:
+        if not files and not others:
             raise AdapterNotFound(
                 f"no adapter {adapter_id!r} in the registry {self.description} "
                 f"(nothing under {folder})",
                 adapter_id=adapter_id,
             )
-        return Listing(sorted(files, key=lambda f: f.name), unsafe, listed_at)
+        return Listing(sorted(files, key=lambda f: f.name), others, listed_at)
 
     async def fetch(
         self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None],

@@ -464,7 +464,7 @@ def json_errors(handler: Handler) -> Handler:
             return await handler(request)
         except SidecarError as exc:
             status = status_of(exc)
-            if status >= 500:
+            if status >= 500 and not exc.logged:
                 log.warning("%s %s -> %d %s: %s", request.method, request.path, status,
                             exc.code, exc.message)
             return web.json_response(exc.to_json(), status=status)
