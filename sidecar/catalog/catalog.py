@@ -88,6 +88,7 @@ class Catalog(StoreListener):
         self._orphans: dict[int, float] = {}  # folders no journal names -> delete after (unix)
         self.disk_bytes = 0  # the catalog's own bytes on the volume, as last measured
         self._judging: asyncio.TimerHandle | None = None
+        self._unwatched_said = False
         self._changes = {event: metrics.catalog_name_changes.labels(change=change)
                          for event, change in ((NameEvent.BIND, "bound"),
                                                (NameEvent.LEAVE, "parked"),
@@ -274,7 +275,12 @@ class Catalog(StoreListener):
         return Change(number, name, event, entry.state, entry.version, why)
 
     def _watch(self, number: int, name: str) -> None:
-        self.reads.watch((number, name), disk.noop_dir(self.root, number, name))
+        watched = self.reads.watch((number, name), disk.noop_dir(self.root, number, name))
+        if not watched and self.reads.available and not self._unwatched_said:
+            self._unwatched_said = True
+            log.warning("catalog: %s; names whose no-op cannot be watched are not handed out "
+                        "(fewer spares: lower --spare-names-max or raise the limit)",
+                        self.reads.problem)
 
     def _note(self, change: Change) -> None:
         counter = self._changes.get(change.event)
@@ -373,18 +379,25 @@ class Catalog(StoreListener):
                     return got, event
 
     def _pick(self, generation: Generation, version: Version) -> tuple[str, NameEvent]:
-        judge = self.reads.judge
+        number = generation.number
         parked = generation.held_name(version)
-        if parked is not None and not judge.maybe_engine((generation.number, parked)):
+        if parked is not None and self._clean((number, parked)):
             return parked, NameEvent.RETURN
         if not self.spares_on:
-            raise NoNameLeft(generation.number, f"spare names are off ({self.spares_off})")
-        free = [s for s in generation.free_spares()
-                if not judge.maybe_engine((generation.number, s))]
+            raise NoNameLeft(number, f"spare names are off ({self.spares_off})")
+        free = [s for s in generation.free_spares() if self._clean((number, s))]
         if not free:
             raise NoNameLeft(generation.number, "no spare name is left")
         # Random: which spare is bound next cannot be guessed by a direct caller of vllm_model.
         return random.choice(free), NameEvent.BIND
+
+    def _clean(self, key: tuple[int, str]) -> bool:
+        """Whether a name at a no-op can be handed out: nothing says the engine opened it, and
+        a read would have been seen (a folder inotify could not watch, for want of watches,
+        is never handed out)."""
+        if self.reads.judge.maybe_engine(key):
+            return False
+        return not self.reads.available or self.reads.is_watched(key)
 
     def _link(self, generation: Generation, name: str, entry: Entry,
               event: NameEvent) -> str | None:

@@ -172,6 +172,10 @@ class ReadWatch:
         self._wds[key] = wd
         return True
 
+    def is_watched(self, key: Key) -> bool:
+        """Whether a read of this key's folder would be seen (always False without inotify)."""
+        return key in self._wds
+
     def unwatch(self, key: Key) -> None:
         self.judge.forget(key)
         wd = self._wds.pop(key, None)
