@@ -282,9 +282,13 @@ def test_a_dead_engine_as_the_stock_backend_shows_it(
         # which gets the code through BLS, is what clients see.)
         assert "Model is unavailable due to unhealthy vLLM engine" in (
             direct.value.message() or "")
-        with pytest.raises(InferenceServerException) as routed:
-            node.ask("tenant-0")
-        assert status_of(routed.value) == "UNAVAILABLE", routed.value.message()
+        # The sidecar sees the model gone and loads it again; the router holds a client's
+        # call meanwhile and answers it then: one call, no error, the adapter's own text.
+        started = time.monotonic()
+        assert node.ask("tenant-0") == node.assets.text("tenant-0")
+        engine_figures["dead engine, router call"] = (
+            f"held {time.monotonic() - started:.1f} s while the sidecar loaded the engine "
+            "again, then answered")
         return
     # Without the check the model stays READY while every request fails, and a load with
     # unchanged files does not bring the engine back.
