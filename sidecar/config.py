@@ -392,6 +392,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("base_model_config", "--base-model-config", _parse_existing_file, "",
            "the base model's config.json; when set, tensor shapes are checked against it",
            "FILE"),
+    Option("signing_policy", "--signing-policy", _parse_existing_file, "",
+           "a TOML file naming, per adapter id, exact or by prefix or glob, the signers (public "
+           "keys, or CA roots and an identity) whose OMS signature (model.sig) it needs and a "
+           "mode: require, verify-if-present or off (default: no file, every adapter off)",
+           "FILE"),
     Option("catalog_refresh_s", "--catalog-refresh", _positive(_parse_float), "30",
            "longest seconds between two looks at the catalog (quiet window, generations to "
            "retire; changes are acted on at once), and seconds between two listings of the "
@@ -479,6 +484,7 @@ class Settings:
     allowed_target_modules: tuple[str, ...] = LLAMA_TARGET_MODULES
     base_model: str | None = None
     base_model_config: Path | None = None
+    signing_policy: Path | None = None
     catalog_refresh_s: float = 30.0
     spare_names: int = 32
     compact_below: int | None = None

@@ -22,13 +22,16 @@ from ..filehash import hash_file, open_regular
 from .adapter_config import LoraConfig, check_adapter_config
 from .safetensors_check import TensorInfo, check_safetensors, shown
 from .shapes import ATTENTION_MODULES, ModelShapes
+from .signing_policy import NO_POLICY, SigningPolicy
 from .values import Layout, NonFinite, ValueReport, scan_file
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 CHECKSUMS_FILE = "SHA256SUMS"
+SIGNATURE_FILE = "model.sig"  # an OMS signature (signatures.py): model_signing's default name
+RECORD_FILE = ".sidecar.json"  # the cache's record of a published folder (cache/records.py)
 ALLOWED_FILES = frozenset({
-    CONFIG_FILE, WEIGHTS_FILE, CHECKSUMS_FILE, ".sidecar.json",
+    CONFIG_FILE, WEIGHTS_FILE, CHECKSUMS_FILE, SIGNATURE_FILE, RECORD_FILE,
     "README.md", "README", "LICENSE", "LICENSE.md", "LICENSE.txt",
 })  # fmt: skip
 CONFIG_MAX_BYTES = 1024**2
@@ -69,20 +72,31 @@ class Rules:
     allowed_target_modules: frozenset[str] = frozenset(LLAMA_TARGET_MODULES)
     base_model: str | None = None
     shapes: ModelShapes | None = None  # from --base-model-config
+    signing: SigningPolicy = NO_POLICY  # from --signing-policy
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Rules:
+        problems = []
         shapes = None
         if settings.base_model_config is not None:
             try:
                 shapes = ModelShapes.from_file(settings.base_model_config)
             except (OSError, ValueError) as exc:
-                raise ConfigError([f"--base-model-config: {exc}"]) from exc
+                problems.append(f"--base-model-config: {exc}")
+        signing = NO_POLICY
+        if settings.signing_policy is not None:
+            try:
+                signing = SigningPolicy.load(settings.signing_policy)
+            except ValueError as exc:
+                problems.append(f"--signing-policy {settings.signing_policy}: {exc}")
+        if problems:
+            raise ConfigError(problems)
         return cls(
             max_lora_rank=settings.max_lora_rank,
             allowed_target_modules=frozenset(settings.allowed_target_modules),
             base_model=settings.base_model,
             shapes=shapes,
+            signing=signing,
         )
 
 
