@@ -281,7 +281,8 @@ class Sidecar:
                       max_leases=self.settings.max_leases,
                       lease_ttl_s=self.settings.lease_ttl_s,
                       on_problem=lambda problem: self.health.set("cache", problem),
-                      on_progress=self._note_recovery_progress)
+                      on_progress=self._note_recovery_progress,
+                      metrics=self.metrics)
         for adapter_id in self.settings.pin:
             if self.store.get(adapter_id) is not None:
                 self._pins_pending.discard(adapter_id)

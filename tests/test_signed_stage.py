@@ -1,7 +1,8 @@
 """Signed adapters through the real sidecar: moto S3 over HTTP, the aiohttp server on a free port,
 signatures made in the test. A correctly signed adapter is served and every answer says which
 bytes and which signer; each way of breaking a signature is refused with its own code under
-`require`, nothing published; `verify-if-present` and off behave as the README says."""
+`require`, nothing published; `verify-if-present` and off behave as the README says; folders
+copied in and a restart under a changed policy are judged by the same rules."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import pytest
 
 from sidecar.app import Sidecar
 from sidecar.examples import write_adapter
-from tests.conftest import S3Registry, StartSidecar, call, s3_settings, stage_ok
+from tests.conftest import S3Registry, StartSidecar, call, make_settings, s3_settings, stage_ok
+from tests.observing import eventually
 from tests.signing_keys import (
     CertificateAuthority,
     KeyPair,
@@ -44,6 +46,11 @@ def signed_folder(tmp_path: Path, adapter_id: str, key: KeyPair, seed: int = 0) 
 
 def published(sidecar: Sidecar) -> list[str]:
     return sorted(p.name for p in sidecar.store.adapters_dir.iterdir())
+
+
+def quarantined(sidecar: Sidecar) -> list[str]:
+    folder = sidecar.store.quarantine_dir
+    return sorted(p.name.split(".")[0] for p in folder.iterdir()) if folder.is_dir() else []
 
 
 def staging_left(sidecar: Sidecar) -> list[str]:
@@ -254,3 +261,71 @@ async def test_without_a_policy_signatures_are_not_looked_at(
     record = json.loads((Path(str(answer["local_path"])) / ".sidecar.json").read_text())
     assert record["signature"] is None and "signature" not in record["verified"]
     assert sum(verifications(sidecar, o) for o in ("verified", "unsigned", "refused")) == 0
+
+
+# ---- folders copied in by an operator, and restarts -----------------------------------------
+
+
+async def test_the_watcher_adopts_a_signed_copy_and_quarantines_unsigned_and_tampered_ones(
+    tmp_path: Path, key: KeyPair, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
+) -> None:
+    sidecar = await start_sidecar(make_settings(
+        tmp_path, signing_policy=key_policy(tmp_path, key)))
+    signed = signed_folder(tmp_path, "copied-signed", key)
+    tampered = signed_folder(tmp_path, "copied-tampered", key, seed=2)
+    _added_file(tmp_path, key, CertificateAuthority(tmp_path / "ca"), tampered)
+    unsigned = tmp_path / "publisher" / "copied-unsigned"
+    write_adapter(unsigned, seed=3)
+    for folder in (signed, tampered, unsigned):
+        shutil.copytree(folder, tmp_path / "copy" / folder.name)
+        (tmp_path / "copy" / folder.name).rename(sidecar.store.path_of(folder.name))
+
+    async def judged() -> bool:
+        return sidecar.store.get("copied-signed") is not None and len(quarantined(sidecar)) == 2
+
+    await eventually(judged, timeout_s=10, what="three copies judged")
+    answer = await stage_ok(http, sidecar, "copied-signed")
+    assert answer["signer"] == "publisher" and answer["cached"] is True
+    assert quarantined(sidecar) == ["copied-tampered", "copied-unsigned"]
+    assert [verifications(sidecar, o) for o in ("verified", "refused")] == [1, 2]
+
+
+async def test_a_restart_under_a_new_policy_rechecks_signatures_without_reading_the_weights(
+    tmp_path: Path, key: KeyPair, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    registry = tmp_path / "registry"
+    shutil.copytree(signed_folder(tmp_path, "acme-signed", key), registry / "acme-signed")
+    intruder = make_key(tmp_path / "keys", "intruder")
+    other = tmp_path / "publisher" / "acme-other-key"
+    write_adapter(other, seed=4)
+    sign_with_key(other, intruder)
+    shutil.copytree(other, registry / "acme-other-key")
+    write_adapter(registry / "acme-unsigned", seed=5)
+    write_adapter(registry / "globex-unsigned", seed=6)
+    first = await start_sidecar(make_settings(tmp_path))  # no policy: all served
+    for adapter_id in ("acme-signed", "acme-other-key", "acme-unsigned", "globex-unsigned"):
+        assert (await stage_ok(http, first, adapter_id, lease=False))["signer"] is None
+    await first.stop()
+
+    def no_hashing(path: Path, **_: object) -> object:
+        raise AssertionError(f"{path} was read again")
+
+    monkeypatch.setattr("sidecar.cache.recovery.hash_file", no_hashing)
+    policy = key_policy(tmp_path, key, match='prefix = "acme-"')
+    second = await start_sidecar(make_settings(tmp_path, signing_policy=policy))
+
+    assert sorted(a.adapter_id for a in second.store.adapters()) == [
+        "acme-signed", "globex-unsigned"]
+    assert quarantined(second) == ["acme-other-key", "acme-unsigned"]
+    answer = await stage_ok(http, second, "acme-signed")
+    assert answer["cached"] is True and answer["signer"] == "publisher"
+    record = json.loads((second.store.path_of("acme-signed") / ".sidecar.json").read_text())
+    assert record["signature"]["policy"] == second.rules.signing.rules[0].fingerprint
+    assert [verifications(second, o) for o in ("verified", "refused")] == [1, 2]
+    await second.stop()
+
+    third = await start_sidecar(make_settings(tmp_path, signing_policy=policy))
+    assert sorted(a.adapter_id for a in third.store.adapters()) == [
+        "acme-signed", "globex-unsigned"]
+    assert verifications(third, "verified") == 0  # the same rule: the record's verdict holds

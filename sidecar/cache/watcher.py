@@ -33,10 +33,11 @@ from ..filehash import hash_fd
 from ..ids import is_valid_adapter_id
 from ..logs import fields
 from ..metrics import Metrics
+from ..validation.signatures import SignatureVerdict, verify_folder
 from ..validation.validate import CHECKSUMS_FILE, WEIGHTS_FILE, Problem, Rules, validate_adapter
 from ..validation.values import ValueReport, ValueScan
 from .lru import CachedAdapter
-from .records import RECORD_NAME, AdapterRecord, Check, FileRecord, write_record
+from .records import RECORD_NAME, AdapterRecord, Check, FileRecord, SignatureRecord, write_record
 from .store import AdapterStore
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class _Forward(FileSystemEventHandler):
 class _Inspection:
     files: dict[str, FileRecord]
     problems: list[Problem]
+    signature: SignatureVerdict
 
 
 class Watcher:
@@ -264,9 +266,12 @@ class Watcher:
             return
         self._adopting.add(adapter_id)
         try:
-            inspection = await self._inspect(folder)
+            inspection = await self._inspect(adapter_id, folder)
             if inspection is None or self._changes.get(adapter_id, 0) != seen:
                 return  # still being written: judged again once it settles
+            outcome = inspection.signature.outcome
+            if outcome is not None:
+                self._metrics.signature_verifications.labels(outcome=outcome).inc()
             if inspection.problems:
                 reason = "; ".join(f"{p.code} {p.file}" for p in inspection.problems)
                 self._quarantine(adapter_id, folder, before, f"not valid: {reason}",
@@ -274,8 +279,10 @@ class Watcher:
                 return
             checks = (Check.RULES, Check.VALUES, Check.SHA256SUMS) if (
                 CHECKSUMS_FILE in inspection.files) else (Check.RULES, Check.VALUES)
+            if inspection.signature.signed is not None:
+                checks = (*checks, Check.SIGNATURE)
             record = AdapterRecord(adapter_id, ADOPTED_SOURCE, time.time(), inspection.files,
-                                   checks)
+                                   checks, SignatureRecord.of(inspection.signature))
             try:
                 if not await asyncio.to_thread(_write_record_into, folder, before, record):
                     return
@@ -297,8 +304,9 @@ class Watcher:
                               size_bytes=record.size_bytes, duration_s=round(elapsed_s, 3)))
         store.trim()
 
-    async def _inspect(self, folder: Path) -> _Inspection | None:
-        """Hash and validate a folder (in threads); None if it changed while being read."""
+    async def _inspect(self, adapter_id: str, folder: Path) -> _Inspection | None:
+        """Hash and validate a folder (in threads), and check its signature by the digests
+        just computed; None if it changed while being read."""
         before = await asyncio.to_thread(_snapshot, folder)
         files: dict[str, FileRecord] = {}
         scanned: dict[str, ValueReport] = {}  # values checked in the hashing pass
@@ -318,11 +326,15 @@ class Watcher:
         digests = {name: f.sha256 for name, f in files.items() if f.sha256}
         problems += await asyncio.to_thread(validate_adapter, folder, self._rules,
                                             sha256=digests, scanned=scanned)
+        signature = await asyncio.to_thread(
+            verify_folder, folder, adapter_id, self._rules.signing.rule_for(adapter_id),
+            {name: f.sha256 for name, f in files.items()})
+        problems += signature.problems
         # A copy made in one long system call (copy_file_range, a reflink) sends no event
         # until it ends; growing sizes or times still show it is not finished.
         if await asyncio.to_thread(_snapshot, folder) != before:
             return None
-        return _Inspection(files, problems)
+        return _Inspection(files, problems, signature)
 
     def _unindexed(self, adapter_id: str, folder: Path, before: os.stat_result) -> bool:
         """Still the same folder, and the sidecar did not stage the id meanwhile."""

@@ -152,7 +152,11 @@ def verify_folder(folder: Path, adapter_id: str, rule: Rule, digests: Mapping[st
     against the statement, by the digests given."""
     if rule.mode is SignatureMode.OFF:
         return SignatureVerdict(rule)
-    names = {entry.name for entry in os.scandir(folder)}
+    try:
+        names = {entry.name for entry in os.scandir(folder)}
+    except OSError as exc:
+        return _refused(rule, Problem("read_error", "", f"cannot read the folder: "
+                                      f"{shown(str(exc))}"))
     signature = folder / SIGNATURE_FILE if SIGNATURE_FILE in names else None
     verdict = check_signature(rule, adapter_id, signature, published_names(names), now=now)
     return check_digests(verdict, adapter_id, digests)
