@@ -1,7 +1,8 @@
 """Upload a local folder of adapters (one sub-folder per adapter id) into an S3 registry.
 
 The compose file's one-shot `minio-init` service runs it; it works against any S3 endpoint.
-Adapters are validated with the sidecar's rules first; files already there unchanged are skipped.
+Adapters are validated with the sidecar's rules (its signing policy included) first; files
+already there unchanged are skipped.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from sidecar.config import Settings
 from sidecar.errors import ConfigError
 from sidecar.ids import is_valid_adapter_id
+from sidecar.validation.signatures import verify_folder
 from sidecar.validation.validate import Rules, summarize, validate_adapter
 
 # put_object is one request; larger files would need a multipart upload, which no adapter needs.
@@ -153,6 +155,10 @@ class Uploader:
             # Dot files are not uploaded, so they are not judged.
             problems = [p for p in validate_adapter(folder, self._rules)
                         if not p.file.startswith(".")]
+            # And the signing policy's verdict (LORA_SIDECAR_SIGNING_POLICY), model.sig read
+            # from the folder: an unsigned or badly signed adapter never reaches the registry.
+            rule = self._rules.signing.rule_for(adapter_id)
+            problems += verify_folder(folder, adapter_id, rule).problems
             if problems:
                 raise UploadError(f"not a valid adapter: {summarize(problems)}")
         remote = self._remote_objects(adapter_id)
@@ -253,7 +259,8 @@ def _parser() -> argparse.ArgumentParser:
         "--no-validate",
         action="store_true",
         help="upload without checking adapters against the sidecar's rules (read from the "
-        "same LORA_SIDECAR_* variables as the sidecar: --max-lora-rank, --base-model-config...)",
+        "same LORA_SIDECAR_* variables as the sidecar: --max-lora-rank, --base-model-config, "
+        "--signing-policy...)",
     )
     parser.add_argument(
         "--overwrite",

@@ -65,6 +65,7 @@ def _add_validate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     from . import cli
 
     cli.add_validate_command(subparsers)
+    cli.add_sign_command(subparsers)
 
 
 def _add_examples(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from .errors import ConfigError
 from .ids import is_valid_adapter_id
 from .registry.kinds import check_location
+from .validation.signing_policy import SigningPolicy
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +248,15 @@ def _parse_existing_file(text: str) -> Path | None:
     return path
 
 
+def _parse_signing_policy(text: str) -> Path | None:
+    """The policy file, read and checked now so that its problems stop the start with the
+    others, before the cache is touched (Rules reads it again for its own use)."""
+    path = _parse_existing_file(text)
+    if path is not None:
+        SigningPolicy.load(path)
+    return path
+
+
 def _parse_enum(kind: type[_E], text: str) -> _E:
     try:
         return kind(text.strip().lower())
@@ -392,7 +402,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("base_model_config", "--base-model-config", _parse_existing_file, "",
            "the base model's config.json; when set, tensor shapes are checked against it",
            "FILE"),
-    Option("signing_policy", "--signing-policy", _parse_existing_file, "",
+    Option("signing_policy", "--signing-policy", _parse_signing_policy, "",
            "a TOML file naming, per adapter id, exact or by prefix or glob, the signers (public "
            "keys, or CA roots and an identity) whose OMS signature (model.sig) it needs and a "
            "mode: require, verify-if-present or off (default: no file, every adapter off)",

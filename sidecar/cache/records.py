@@ -185,12 +185,19 @@ def _content_digest(all_files: Mapping[str, FileRecord]) -> str:
     form from sizes and CRC-32s: never equal to a `sha256:` one, so such bytes count as other
     bytes (the safe direction)."""
     files = {name: f for name, f in all_files.items() if name != SIGNATURE_FILE}
-    if all(f.sha256 for f in files.values()):
-        kind, lines = "sha256", [f"{f.sha256}  {name}\n" for name, f in sorted(files.items())]
-    else:
-        kind, lines = "crc32", [f"{f.size_bytes}:{f.crc32}  {name}\n"
-                                for name, f in sorted(files.items())]
-    return f"{kind}:{hashlib.sha256(''.join(lines).encode()).hexdigest()}"
+    sha256 = {name: f.sha256 for name, f in files.items() if f.sha256}
+    if len(sha256) == len(files):
+        return content_digest(sha256)
+    lines = [f"{f.size_bytes}:{f.crc32}  {name}\n" for name, f in sorted(files.items())]
+    return f"crc32:{hashlib.sha256(''.join(lines).encode()).hexdigest()}"
+
+
+def content_digest(sha256: Mapping[str, str]) -> str:
+    """The content digest of files by their SHA-256 hex digests (model.sig left out): what
+    `lora-sidecar sign` prints, and what the sidecar will answer for those bytes."""
+    lines = [f"{digest}  {name}\n" for name, digest in sorted(sha256.items())
+             if name != SIGNATURE_FILE]
+    return f"sha256:{hashlib.sha256(''.join(lines).encode()).hexdigest()}"
 
 
 def read_record(folder: Path) -> AdapterRecord:

@@ -22,6 +22,7 @@ from model_signing._signing import sign_certificate, sign_ec_key, sign_sigstore_
 from model_signing._signing import signing as oms
 from OpenSSL import crypto
 
+from ..filehash import hash_file
 from .safetensors_check import shown
 from .signing_policy import (
     CertificateSigner,
@@ -146,10 +147,12 @@ def check_digests(verdict: SignatureVerdict, adapter_id: str,
     return replace(verdict, problems=tuple(problems))
 
 
-def verify_folder(folder: Path, adapter_id: str, rule: Rule, digests: Mapping[str, str | None],
-                  *, now: datetime.datetime | None = None) -> SignatureVerdict:
+def verify_folder(folder: Path, adapter_id: str, rule: Rule,
+                  digests: Mapping[str, str | None] | None = None, *,
+                  now: datetime.datetime | None = None) -> SignatureVerdict:
     """A folder on disk (copied in, restarted, `validate --policy`): its files as they are,
-    against the statement, by the digests given."""
+    against the statement, by the digests given (None: every file the statement lists is
+    hashed here, a read of the weights that the stage and the watcher avoid)."""
     if rule.mode is SignatureMode.OFF:
         return SignatureVerdict(rule)
     try:
@@ -159,7 +162,15 @@ def verify_folder(folder: Path, adapter_id: str, rule: Rule, digests: Mapping[st
                                       f"{shown(str(exc))}"))
     signature = folder / SIGNATURE_FILE if SIGNATURE_FILE in names else None
     verdict = check_signature(rule, adapter_id, signature, published_names(names), now=now)
-    return check_digests(verdict, adapter_id, digests)
+    if digests is None and verdict.signed is not None:
+        digests = {}
+        for name in set(verdict.signed.digests) & names:
+            try:
+                digests[name] = hash_file(folder / name).sha256
+            except OSError as exc:
+                problem = Problem("read_error", name, f"cannot read it: {shown(str(exc))}")
+                return replace(verdict, problems=(*verdict.problems, problem))
+    return check_digests(verdict, adapter_id, digests or {})
 
 
 def _refused(rule: Rule, problem: Problem) -> SignatureVerdict:

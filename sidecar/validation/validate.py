@@ -477,16 +477,23 @@ def summarize(problems: Sequence[Problem]) -> str:
 
 def run_validate(path: Path, rules: Rules, *, as_json: bool, out: TextIO) -> int:
     """The `validate` command: print the verdict on `out`; 0 when valid, 1 when not."""
-    problems = validate_adapter(path, rules)
+    return report(path, validate_adapter(path, rules), as_json=as_json, out=out)
+
+
+def report(path: Path, problems: Sequence[Problem], *, as_json: bool, out: TextIO,
+           extra: Mapping[str, object] | None = None) -> int:
+    """Print a verdict (with `extra` facts, such as who signed); 0 when valid, 1 when not."""
     if as_json:
         verdict = {
             "path": str(path),
             "valid": not problems,
             "problems": [p.to_json() for p in problems],
+            **(extra or {}),
         }
         out.write(json.dumps(verdict, indent=2) + "\n")
     elif not problems:
-        out.write(f"OK {path}\n")
+        facts = "".join(f" {key}={value}" for key, value in (extra or {}).items())
+        out.write(f"OK {path}{facts}\n")
     else:
         for p in problems:
             out.write(f"{p.code}  {p.file or path}: {p.message}\n")
