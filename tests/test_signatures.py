@@ -453,3 +453,24 @@ def test_check_signature_before_download_compares_only_the_list_of_files(
                               signed / "model.sig", {"adapter_config.json", WEIGHTS, "LICENSE"})
 
     assert codes(verdict) == ["unsigned_file"]
+
+
+def test_signatures_go_both_ways_between_model_signing_and_the_sidecar(
+    tmp_path: Path, key: KeyPair, signed: Path
+) -> None:
+    import model_signing
+
+    # The sidecar's signature, verified by model_signing's own public API (it hashes the
+    # folder itself).
+    model_signing.verifying.Config().use_elliptic_key_verifier(public_key=key.public).verify(
+        signed, signed / "model.sig")
+    # model_signing's signature (its public API, as its command line signs), verified here.
+    other = tmp_path / "adapters" / "acme-sql-v2"
+    write_adapter(other, seed=9)
+    model_signing.signing.Config().use_elliptic_key_signer(private_key=key.private) \
+        .set_hashing_config(model_signing.hashing.Config().set_ignored_paths(
+            paths=["model.sig"])).sign(other, other / "model.sig")
+
+    verdict = verify(other, load(key_policy(tmp_path, key)))
+
+    assert verdict.outcome == "verified", verdict.problems
