@@ -36,6 +36,7 @@ from .preflight import configuration_problems
 from .registry.base import AdapterSource
 from .registry.kinds import open_source
 from .registry.transfer import TransferPolicy, transfer_executor
+from .validation.signing_policy import describe_rules
 from .validation.validate import Rules
 from .web.api import READ_ONLY_ROUTES, Services, build_web_app
 from .web.epp import AdapterSet, EppExporter
@@ -166,6 +167,8 @@ class Sidecar:
         log.info("lora-sidecar listening on http://%s:%d registry=%s cache_root=%s",
                  self.settings.host, self.port, self.source.description,
                  self.settings.cache_root)
+        for line in describe_rules(self.rules.signing):
+            log.info("signing policy %s: %s", self.rules.signing.path, line)
         if wait_for_recovery:
             await asyncio.shield(recovery)
 

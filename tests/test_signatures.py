@@ -474,3 +474,41 @@ def test_signatures_go_both_ways_between_model_signing_and_the_sidecar(
     verdict = verify(other, load(key_policy(tmp_path, key)))
 
     assert verdict.outcome == "verified", verdict.problems
+
+
+def _mutations(bundle: dict[str, object]) -> list[object]:
+    def with_(path: list[str], value: object) -> dict[str, object]:
+        copy = json.loads(json.dumps(bundle))
+        node = copy
+        for key in path[:-1]:
+            node = node[key]
+        if value is None:
+            del node[path[-1]]
+        else:
+            node[path[-1]] = value
+        return copy
+
+    return [
+        {}, [], "text", {"verificationMaterial": 5},
+        with_(["dsseEnvelope"], None),
+        with_(["dsseEnvelope", "signatures"], []),
+        with_(["dsseEnvelope", "payload"], base64.b64encode(b"not json").decode()),
+        with_(["dsseEnvelope", "payloadType"], "text/plain"),
+        with_(["mediaType"], "application/vnd.dev.sigstore.bundle+json;version=0.1"),
+        with_(["verificationMaterial", "publicKey"], None),
+        with_(["verificationMaterial"], {"x509CertificateChain": {"certificates": [
+            {"rawBytes": base64.b64encode(b"not a certificate").decode()}]}}),
+    ]
+
+
+def test_a_damaged_model_sig_is_refused_with_a_signature_code_never_an_error(
+    tmp_path: Path, key: KeyPair, signed: Path
+) -> None:
+    policy = load(key_policy(tmp_path, key))
+    original = json.loads((signed / "model.sig").read_text())
+
+    for mutation in _mutations(original):
+        (signed / "model.sig").write_text(json.dumps(mutation))
+        verdict = verify(signed, policy)
+        assert verdict.problems, mutation
+        assert {p.code for p in verdict.problems} <= SIGNATURE_CODES, (mutation, verdict)

@@ -99,7 +99,7 @@ def check_signature(rule: Rule, adapter_id: str, signature: Path | None,
     now = now or datetime.datetime.now(datetime.UTC)
     try:
         parsed = _read_signature(signature)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return _refused(rule, Problem("signature_malformed", SIGNATURE_FILE,
                                       f"not an OMS signature (a Sigstore bundle): "
                                       f"{shown(str(exc))}"))
@@ -239,8 +239,8 @@ def _verify_with_keys(parsed: sign_sigstore_pb.Signature, rule: Rule) -> _Verifi
             material.hint = key.identity.removeprefix("sha256:")
         try:
             payload_type, payload = _KeyVerifier(key.public_key)._verify_signed_content(parsed)
-        except (exceptions.InvalidSignature, ValueError, IndexError):
-            continue
+        except (exceptions.InvalidSignature, ValueError, IndexError, TypeError, AttributeError):
+            continue  # a bundle model_signing parsed but cannot check: not signed by this key
         return _envelope_payload(key.name, key.identity, payload_type, payload)
     tried = ", ".join(describe_signer(k) for k in candidates)
     return Problem("signature_invalid", SIGNATURE_FILE,
@@ -276,8 +276,8 @@ def _verify_with_certificates(parsed: sign_sigstore_pb.Signature, rule: Rule,
             return Problem("signature_invalid", SIGNATURE_FILE,
                            f"the signature does not verify with the certificate for "
                            f"{shown_names}: the signed statement was altered")
-        except ValueError as exc:  # a certificate whose key usage excludes signing
-            why_untrusted = str(exc)
+        except (ValueError, IndexError, TypeError, AttributeError) as exc:
+            why_untrusted = str(exc)  # e.g. a certificate whose key usage excludes signing
             continue
         trusted.append((signer, payload_type, payload))
     if not trusted:
