@@ -1,8 +1,6 @@
-"""OMS signatures (OpenSSF Model Signing v1.0) of adapter folders: `model.sig`, a Sigstore bundle
-whose DSSE envelope signs an in-toto statement listing every file's SHA-256. Checked offline
-with model_signing's verifiers against the signers the policy allows; the statement's digests
-are then compared with the SHA-256s the download computed, so the weights are never read twice.
-Also the signing side (`lora-sidecar sign`). Plain synchronous functions: run them in a thread.
+"""OMS signatures (`model.sig`: a Sigstore bundle signing an in-toto statement of every file's
+SHA-256), verified offline with model_signing against the policy's signers, then compared with
+the digests the download computed (no second read); and signing them. Blocking: use threads.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""The signing policy (`--signing-policy FILE`, TOML): which signers may sign which adapters, and
-whether a signature is required. Read once at start; without a file every adapter is `off`.
-
-The first `[[adapters]]` rule that matches an id decides (an exact `id`, a `prefix` or a `glob`);
-an id no rule matches is `off`. Signers are public keys or X.509 trust roots with an identity.
+"""The signing policy (`--signing-policy FILE`, TOML): per adapter id (the first `[[adapters]]`
+rule whose id, prefix or glob matches; none: `off`), a mode and the signers allowed, public keys
+or X.509 roots with an identity. Read once at start; without a file every adapter is `off`.
 """
 
 from __future__ import annotations
