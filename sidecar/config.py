@@ -20,7 +20,6 @@ from typing import Any, TypeVar
 from .errors import ConfigError
 from .ids import is_valid_adapter_id
 from .registry.kinds import check_location
-from .validation.signing_policy import SigningPolicy
 
 log = logging.getLogger(__name__)
 
@@ -253,6 +252,9 @@ def _parse_signing_policy(text: str) -> Path | None:
     others, before the cache is touched (Rules reads it again for its own use)."""
     path = _parse_existing_file(text)
     if path is not None:
+        # Imported here: it brings `cryptography`, which the client commands never need.
+        from .validation.signing_policy import SigningPolicy
+
         SigningPolicy.load(path)
     return path
 
