@@ -5,7 +5,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: run test test-fast engine-env lint system-deps clean
+.PHONY: run test test-fast engine-env lint system-deps docker-deps clean
 
 $(BIN)/python:
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is needed"'
@@ -25,12 +25,13 @@ run: $(VENV)/.run-deps
 	$(BIN)/lora-sidecar examples ./registry --skip-if-not-empty
 	exec $(BIN)/lora-sidecar serve
 
-## test: the whole test suite, system packages (Prometheus, docker-compose) and the real
-## engine's environment (vLLM on CPU, scripts/engine-env.sh) included
-test: $(VENV)/.test-deps system-deps engine-env
+## test: the whole test suite, system packages (Prometheus, docker-compose, HAProxy, a Docker
+## engine) and the real engine's environment (vLLM on CPU, scripts/engine-env.sh) included
+test: $(VENV)/.test-deps system-deps docker-deps engine-env
 	$(BIN)/python -m pytest -q
 
-## test-fast: everything but the tests of the real engine and of a real Docker engine
+## test-fast: everything but the tests of the real engine and of a real Docker engine, which
+## is neither installed nor needed for it
 test-fast: $(VENV)/.test-deps system-deps
 	$(BIN)/python -m pytest -q -m "not engine and not docker"
 
@@ -38,8 +39,12 @@ test-fast: $(VENV)/.test-deps system-deps
 engine-env:
 	PYTHON=$(PYTHON) ./scripts/engine-env.sh
 
+## system-deps: what every test but the `docker` ones needs; docker-deps: what those add
 system-deps:
 	VENV_BIN=$(abspath $(BIN)) ./scripts/install-system-deps.sh
+
+docker-deps:
+	./scripts/install-system-deps.sh --docker
 
 lint: $(VENV)/.test-deps
 	$(BIN)/ruff check sidecar tests triton_repo compose benchmarks

@@ -1,7 +1,7 @@
 """Send one prompt to Triton's multilora_router over gRPC and print the generated text.
 
 Needs tritonclient with its gRPC part and numpy. In this repository's venv (the one `make run`
-creates, which has only the HTTP part) add the `triton` extra once:
+creates, which has no tritonclient) add the `triton` extra once:
 
     .venv/bin/pip install -e '.[triton]'
 
@@ -51,7 +51,7 @@ class TritonUnreachable(Exception):
 
 
 class GrpcMissing(Exception):
-    """tritonclient is installed without its gRPC part (the `http` extra alone)."""
+    """tritonclient is not installed, or without its gRPC part (the `http` extra alone)."""
 
 
 def _grpc_client() -> Any:

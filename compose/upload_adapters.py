@@ -2,7 +2,9 @@
 
 The compose file's one-shot `minio-init` service runs it; it works against any S3 endpoint.
 Adapters are validated with the sidecar's rules (its signing policy included) first; files
-already there unchanged are skipped.
+already there unchanged are skipped. Only the files the sidecar fetches are sent
+(sidecar/validation/files.py): what PEFT, Trainer or `hf download` leave beside an adapter
+(README.md, training_args.bin, .cache/) is left out.
 """
 
 from __future__ import annotations
@@ -24,15 +26,16 @@ from botocore.exceptions import BotoCoreError, ClientError
 from sidecar.config import Settings
 from sidecar.errors import ConfigError
 from sidecar.ids import is_valid_adapter_id
+from sidecar.validation.files import CONFIG_FILE, listed, plan_folder
 from sidecar.validation.signatures import verify_folder
-from sidecar.validation.validate import Rules, summarize, validate_adapter
+from sidecar.validation.validate import Rules, judge_adapter, summarize
 
 # put_object is one request; larger files would need a multipart upload, which no adapter needs.
 MAX_FILE_BYTES = 5 * 1024**3
 _HASH_CHUNK_BYTES = 8 * 1024**2
 # Written last, so that anyone listing the registry mid-upload who sees an adapter's config
 # also sees the weights it describes.
-_LAST_FILE = "adapter_config.json"
+_LAST_FILE = CONFIG_FILE
 
 
 class UploadError(Exception):
@@ -85,21 +88,19 @@ def _md5_hex(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _adapter_files(folder: Path) -> list[LocalFile]:
-    """The files to upload, config last; refuses what the sidecar would refuse anyway."""
+def _adapter_files(folder: Path) -> tuple[list[LocalFile], tuple[str, ...]]:
+    """The files the sidecar would fetch, config last, and the entries it leaves out."""
+    plan = plan_folder(folder)
+    if _LAST_FILE not in plan.fetched:
+        raise UploadError(f"no {_LAST_FILE} (is this a PEFT LoRA adapter folder?)")
     files: list[LocalFile] = []
-    for path in sorted(folder.iterdir()):
-        if path.name.startswith("."):
-            continue  # .sidecar.json and editor droppings are not part of an adapter
-        if path.is_symlink() or not path.is_file():
-            raise UploadError(f"{path.name} is not a plain file (adapters are flat folders)")
+    for name in plan.fetched:
+        path = folder / name
         size_bytes = path.stat().st_size
         if size_bytes > MAX_FILE_BYTES:
             raise UploadError(f"{path.name} is larger than {MAX_FILE_BYTES} bytes")
         files.append(LocalFile(path.name, path, size_bytes, _md5_hex(path)))
-    if not any(f.name == _LAST_FILE for f in files):
-        raise UploadError(f"no {_LAST_FILE} (is this a PEFT LoRA adapter folder?)")
-    return sorted(files, key=lambda f: f.name == _LAST_FILE)
+    return sorted(files, key=lambda f: f.name == _LAST_FILE), plan.ignored
 
 
 def _is_same(local: LocalFile, remote: RemoteObject) -> bool:
@@ -147,14 +148,13 @@ class Uploader:
                 found[name] = RemoteObject(int(item["Size"]), item["ETag"].strip('"'))
         return found
 
-    def upload_adapter(self, adapter_id: str, folder: Path) -> int:
-        """Upload one adapter; return the bytes sent (0 when it was already there)."""
-        files = _adapter_files(folder)
+    def upload_adapter(self, adapter_id: str, folder: Path) -> tuple[int, tuple[str, ...]]:
+        """Upload one adapter; return the bytes sent (0 when it was already there) and the
+        entries left out."""
+        files, ignored = _adapter_files(folder)
         if self._rules is not None:
             # The sidecar would refuse it at the first request; say so now, with every reason.
-            # Dot files are not uploaded, so they are not judged.
-            problems = [p for p in validate_adapter(folder, self._rules)
-                        if not p.file.startswith(".")]
+            problems = judge_adapter(folder, self._rules).problems
             # And the signing policy's verdict (LORA_SIDECAR_SIGNING_POLICY), model.sig read
             # from the folder: an unsigned or badly signed adapter never reaches the registry.
             rule = self._rules.signing.rule_for(adapter_id)
@@ -183,7 +183,7 @@ class Uploader:
                     ContentMD5=base64.b64encode(bytes.fromhex(local.md5_hex)).decode(),
                 )
             sent_bytes += local.size_bytes
-        return sent_bytes
+        return sent_bytes, ignored
 
 
 def _adapter_folders(root: Path) -> Iterator[tuple[str, Path]]:
@@ -206,15 +206,17 @@ def upload_folder(uploader: Uploader, root: Path, out: TextIO | None = None) -> 
             failed += 1
             continue
         try:
-            sent_bytes = uploader.upload_adapter(adapter_id, folder)
+            sent_bytes, ignored = uploader.upload_adapter(adapter_id, folder)
         except UploadError as exc:
             print(f"refused {adapter_id}: {exc}", file=out)
             failed += 1
             continue
+        left_out = (f"; left out {len(ignored)} entries the engine never reads: "
+                    f"{listed(ignored)}" if ignored else "")
         if sent_bytes:
-            print(f"uploaded {adapter_id} ({sent_bytes} bytes)", file=out)
+            print(f"uploaded {adapter_id} ({sent_bytes} bytes){left_out}", file=out)
         else:
-            print(f"unchanged {adapter_id}", file=out)
+            print(f"unchanged {adapter_id}{left_out}", file=out)
     if count == 0:
         print(f"no adapters in {root}: put one sub-folder per adapter id there", file=out)
     return failed

@@ -12,12 +12,38 @@ from collections.abc import Mapping, Sequence
 from .config import (
     OPTIONS,
     REGISTRY_START_CHECK_S,
+    Option,
     Settings,
     local_registry_problem,
     option_for,
 )
 from .errors import CacheOwned, ConfigError
 from .exits import EXIT_CACHE_OWNED, EXIT_FAILED, EXIT_USAGE
+from .version import version
+
+# `serve --help` in sections, by what each option is about; every option of config.OPTIONS is
+# in one (an option left out would land in a last section, "other options").
+SERVE_SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("the registry, where adapters come from", (
+        "registry", "s3_endpoint_url", "s3_region", "s3_connect_timeout_s",
+        "s3_read_timeout_s", "s3_max_attempts", "part_size_bytes", "download_concurrency")),
+    ("the cache volume shared with Triton, its budget and leases", (
+        "cache_root", "triton_cache_root", "max_bytes", "max_adapters", "min_free_bytes", "pin",
+        "lease_ttl_s", "max_leases", "stage_timeout_s", "refusal_ttl_s", "not_found_ttl_s",
+        "upload_settle_s")),
+    ("validation, what the engine can serve", (
+        "max_lora_rank", "allowed_target_modules", "base_model", "base_model_config",
+        "signing_policy")),
+    ("the catalog of names vLLM knows, and Triton's reloads", (
+        "catalog_refresh_s", "spare_names", "spare_names_max", "compact_below",
+        "compaction_window", "triton_url",
+        "triton_model", "triton_reload", "triton_probe_timeout_s",
+        "triton_reload_min_interval_s", "seed_model_repository")),
+    ("the HTTP API", ("host", "port", "api_token", "api_token_file", "max_request_bytes")),
+    ("metrics and logs", (
+        "metrics_host", "metrics_port", "epp_metrics", "epp_adapter_prefix",
+        "epp_label_max_bytes", "log_level", "log_format")),
+)
 
 
 def _add_serve(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -26,17 +52,21 @@ Every option can also be set through the environment variable shown in brackets;
 override variables, which override defaults. Sizes take bytes or binary units (KiB, MiB, GiB,
 TiB); decimal ones (MB, GB) are refused.
 
-Exit code 2, with every problem listed, when the configuration cannot work:
-  - an option that does not parse, or options that contradict each other;
-  - a local --registry folder that does not exist, is not a folder, or cannot be read;
-  - a --pin id the registry answers it has nothing under.
+Exit codes:
+  0  stopped by SIGTERM or SIGINT.
+  1  the port could not be bound (the message names the option to change), or the sidecar
+     failed while running; also a second SIGTERM/SIGINT while stopping (it exits at once).
+  2  the configuration cannot work; every problem is listed, nothing is created:
+     - an option that does not parse, or options that contradict each other;
+     - a local --registry folder that does not exist, is not a folder, or cannot be read;
+     - a --pin id the registry answers it has nothing under.
+  3  another lora-sidecar owns the cache root (the message names it: pid, host, port);
+     nothing was changed.
 Not a configuration error (the sidecar starts, and /readyz answers 503 saying why until it
 passes): an S3 registry that does not answer, refuses the credentials or lacks the bucket; a
 cache root that is not writable. When the registry does not answer within
 {REGISTRY_START_CHECK_S:g} s at start, the pins are checked when it does: one it then reports
-missing keeps /readyz at 503 naming it.
-Exit code 1: the sidecar could not bind its port or failed while running; 0 on SIGTERM/SIGINT
-(a second SIGTERM/SIGINT while stopping exits at once, with code 1)."""
+missing keeps /readyz at 503 naming it."""
     parser = subparsers.add_parser(
         "serve",
         help="run the sidecar daemon",
@@ -44,15 +74,22 @@ Exit code 1: the sidecar could not bind its port or failed while running; 0 on S
         "and serve the HTTP API.",
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+        usage="%(prog)s [OPTION VALUE]...",  # the sections below list them
     )
-    for option in OPTIONS:
-        parser.add_argument(
-            option.flag,
-            dest=option.field,
-            metavar=option.metavar,
-            default=None,
-            help=f"{option.help} [{option.env_var}; default: {option.default or 'unset'}]",
-        )
+    sectioned = {name for _, names in SERVE_SECTIONS for name in names}
+    others = tuple(o.field for o in OPTIONS if o.field not in sectioned)
+    for title, names in (*SERVE_SECTIONS, *((("other options", others),) if others else ())):
+        group = parser.add_argument_group(title)
+        for name in names:
+            _add_option(group, option_for(name))
+
+
+def _add_option(group: argparse._ArgumentGroup, option: Option) -> None:
+    """One option; its default is stated once, in the brackets with its variable."""
+    default = option.default_text or option.default or "unset"
+    group.add_argument(option.flag, dest=option.field, metavar=option.metavar, default=None,
+                       help=f"{option.help} [{option.env_var}; default: {default}]")
 
 
 def _add_client_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -78,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lora-sidecar",
         description="Stage LoRA adapters from S3 onto a GPU node's disk for Triton + vLLM.",
+        allow_abbrev=False,
     )
+    parser.add_argument("--version", action="version", version=f"lora-sidecar {version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_serve(subparsers)
     _add_client_commands(subparsers)

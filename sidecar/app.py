@@ -5,11 +5,13 @@ them down in order (HTTP first, storage client last).
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import gc
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Awaitable
 from pathlib import Path
@@ -24,12 +26,13 @@ from .cache.store import AdapterStore
 from .cache.upkeep import stage_pin, sweep_leases
 from .cache.watcher import Watcher
 from .catalog.catalog import Catalog
+from .catalog.naming import Naming, StoreView
 from .catalog.registry_view import RegistryView
+from .catalog.reloads import Reloads
 from .catalog.seed import REPOSITORY_DIR, seed_model_repository
-from .config import Settings, is_loopback
+from .config import Settings, is_loopback, option_for
 from .errors import CacheOwned, ConfigError, SidecarError, SourceUnavailable
 from .exits import EXIT_CACHE_OWNED, EXIT_FAILED, EXIT_OK
-from .fsutil import remove_tree
 from .logs import configure_logging, fields
 from .metrics import Metrics
 from .preflight import configuration_problems
@@ -80,6 +83,10 @@ class Sidecar:
         self.metrics = Metrics(registry)
         self.health = Health()
         self.rules = Rules.from_settings(settings)
+        # The catalog first: the store tells it of every folder that leaves adapters/.
+        self.catalog = Catalog(settings.cache_root, settings.triton_root, self.rules,
+                               self.metrics, lease_ttl_s=settings.lease_ttl_s,
+                               spares_wanted=settings.spare_names != 0)
         self.store = AdapterStore(
             settings.cache_root,
             max_bytes=settings.max_bytes,
@@ -88,6 +95,7 @@ class Sidecar:
             lease_ttl_s=settings.lease_ttl_s,
             max_leases=settings.max_leases,
             metrics=self.metrics,
+            listener=self.catalog,
         )
         policy = TransferPolicy(
             part_size_bytes=settings.part_size_bytes,
@@ -107,17 +115,18 @@ class Sidecar:
             self.metrics,
             refusal_ttl_s=settings.refusal_ttl_s,
             not_found_ttl_s=settings.not_found_ttl_s,
+            upload_settle_s=settings.upload_settle_s,
             on_source_result=self._note_source_result,
         )
         self.metrics.watch(self.store, self.stager)
-        self.catalog = Catalog(settings, self.store, self.rules, self.metrics)
-        self.store.before_evict = self.catalog.names.before_evict
-        self.store.after_forget = self.catalog.names.after_forget
         self.registry_view = RegistryView(
             self.source, settings.catalog_refresh_s,
             lambda: (adapter.adapter_id for adapter in self.store.adapters()))
+        self.reloads = Reloads(settings, self.catalog, self.metrics,
+                               StoreView(self.store, settings.allowed_target_modules),
+                               registry_ids=self.registry_view.ids)
+        self.naming = Naming(self.catalog, self.reloads, self.store, self.metrics)
         self.watcher = Watcher(self.store, self.rules, self.metrics)
-        self.store.on_trash = self.purge_trash
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
@@ -150,14 +159,15 @@ class Sidecar:
                                               cache_root=str(self.settings.cache_root)))
         try:
             await self._listen()
-        except BaseException as exc:
+        except BaseException:
             for runner in (self._runner, self._metrics_runner):
                 if runner is not None:
                     await runner.cleanup()
             self._runner = self._metrics_runner = None
             await self.source.close()
-            # Refused settings leave nothing behind, not even a cache root made for the lock.
-            self.lock.release(undo=isinstance(exc, ConfigError))
+            # A start that fails (refused settings, a port in use) leaves nothing behind, not
+            # even a cache root made for the lock, when nothing else was written into it.
+            self.lock.release(undo=True)
             raise
         self._started = True
         self.lock.set_port(self.port)
@@ -186,16 +196,16 @@ class Sidecar:
                                     self.settings.cache_root / REPOSITORY_DIR)
         services = Services(
             settings=self.settings, store=self.store, stager=self.stager, metrics=self.metrics,
-            readiness=self, purge_trash=self.purge_trash, catalog=self.catalog,
+            readiness=self, catalog=self.naming,
             recovered=self.recovered, on_unpin=self.unpin, epp=self.epp,
             registry=self.registry_view,
         )
-        self._runner, self.port = await _serve_http(build_web_app(services),
-                                                    self.settings.host, self.settings.port)
+        self._runner, self.port = await _serve_http(
+            build_web_app(services), self.settings.host, self.settings.port, "port")
         if self.settings.metrics_host is not None:
             self._metrics_runner, self.metrics_port = await _serve_http(
                 build_web_app(services, READ_ONLY_ROUTES), self.settings.metrics_host,
-                self.settings.metrics_port)
+                self.settings.metrics_port, "metrics_port")
             log.info("read-only listener (metrics, probes) on http://%s:%d",
                      self.settings.metrics_host, self.metrics_port)
 
@@ -212,7 +222,8 @@ class Sidecar:
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=SHUTDOWN_GRACE_S)
         await self.stager.close()
-        await self.catalog.close()
+        await self.reloads.close()
+        await self.store.settle_trash()
         await self.source.close()
         if self._transfer_executor is not None:
             # Every download has waited for its threads; none is left running here.
@@ -239,7 +250,7 @@ class Sidecar:
                             "checked")
         if pending:
             problems.append(f"pinned adapters not staged yet: {', '.join(pending)}")
-        catalog_problem = self.catalog.problem()
+        catalog_problem = self.reloads.problem()
         if catalog_problem is not None:
             problems.append(catalog_problem)
         return problems
@@ -262,13 +273,13 @@ class Sidecar:
         try:
             # After the cache's index (a generation lists what is on disk), before the API
             # answers /stage (which asks the catalog for the name to send).
-            await self.catalog.start()
+            await self.reloads.start(self.registry_view.listed)
         except Exception as exc:
             log.exception("starting the catalog failed")
             self.health.set("catalog", f"starting the catalog failed: {exc}")
         finally:
             self.recovered.set()  # a failed recovery is reported by /readyz, not by hanging
-        self._spawn(self.catalog.run(), "catalog")
+        self._spawn(self.reloads.run(), "catalog")
         await self.watcher.start()
         self._spawn(self.watcher.run(), "watcher")
         self._spawn(sweep_leases(self.store), "leases")
@@ -301,11 +312,6 @@ class Sidecar:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
-
-    def purge_trash(self) -> None:
-        """Delete evicted folders off the loop; the rename already hid them from readers."""
-        for folder in self.store.take_trash():
-            self._spawn(asyncio.to_thread(remove_tree, folder), f"purge:{folder.name}")
 
     async def _health_loop(self) -> None:
         last_probe = 0.0
@@ -356,8 +362,10 @@ class Sidecar:
         self.metrics.registry_errors.labels(operation=operation).inc()
 
 
-async def _serve_http(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve `app` on host:port; the runner and the port bound (port 0 picks one)."""
+async def _serve_http(app: web.Application, host: str, port: int,
+                      port_setting: str) -> tuple[web.AppRunner, int]:
+    """Serve `app` on host:port; the runner and the port bound (port 0 picks one). A port
+    that cannot be bound raises OSError saying which setting chose it."""
     runner = web.AppRunner(
         app,
         access_log=None,
@@ -371,11 +379,29 @@ async def _serve_http(app: web.Application, host: str, port: int) -> tuple[web.A
     site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
     try:
         await site.start()
-    except OSError:
+    except OSError as exc:
         await runner.cleanup()
-        raise
+        raise OSError(exc.errno, _bind_failure(exc, host, port, port_setting)) from exc
     sockets = getattr(site._server, "sockets", None) or []
     return runner, sockets[0].getsockname()[1] if sockets else port
+
+
+def _bind_failure(exc: OSError, host: str, port: int, port_setting: str) -> str:
+    chosen = option_for(port_setting)
+    host_option = option_for("metrics_host" if port_setting == "metrics_port" else "host")
+    where = f"{host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return (f"port {port} on {host} is already in use (another lora-sidecar, or another "
+                f"program): stop it, or choose another port with {chosen.flag} "
+                f"({chosen.env_var})")
+    if exc.errno == errno.EACCES:
+        return (f"binding {where} is not permitted (ports below 1024 need privileges): "
+                f"choose another port with {chosen.flag} ({chosen.env_var})")
+    if exc.errno == errno.EADDRNOTAVAIL or isinstance(exc, socket.gaierror):
+        return (f"{host} is not an address of this machine: choose another with "
+                f"{host_option.flag} ({host_option.env_var})")
+    return (f"cannot listen on {where}: {exc.strerror or exc} ({chosen.flag}, "
+            f"{host_option.flag})")
 
 
 def _check_writable(folder: Path) -> str | None:
@@ -401,7 +427,8 @@ def serve(settings: Settings, lock: CacheLock | None = None) -> int:
     if not is_loopback(settings.host) and settings.api_token is None:
         log.warning("binding to %s without --api-token: anyone who can reach this port can "
                     "evict and pin adapters", settings.host)
-    log.info("settings: %s", settings.describe())
+    log.info("settings: %s", settings.changes(),
+             extra=fields(event="settings", settings=settings.describe()))
     try:
         return asyncio.run(_run(settings, lock))
     except KeyboardInterrupt:
@@ -422,7 +449,7 @@ async def _run(settings: Settings, lock: CacheLock | None) -> int:
         await sidecar.stop()
         return EXIT_CACHE_OWNED
     except OSError as exc:
-        log.error("cannot start: %s", exc)
+        log.error("cannot start: %s", exc.strerror or exc)
         await sidecar.stop()
         return EXIT_FAILED
     # What is built so far lives as long as the process: out of the collector's sight (hit path).

@@ -76,11 +76,16 @@ def _fail(args: argparse.Namespace, error: ClientError) -> int:
         print(json.dumps(error.body, indent=2))
     else:
         print(f"error: {error.body.get('error')}: {_message(args, error.body)}", file=sys.stderr)
-        for problem in error.body.get("problems", []) or []:
-            if isinstance(problem, dict):
-                print(f"  - {problem.get('code')} {problem.get('file')}: "
-                      f"{problem.get('message')}", file=sys.stderr)
+        _print_problems(error.body)
     return EXIT_FAILED
+
+
+def _print_problems(body: dict[str, Any]) -> None:
+    """A refusal's problems, one line each (the message above them does not repeat them)."""
+    for problem in body.get("problems", []) or []:
+        if isinstance(problem, dict):
+            print(f"  - {problem.get('code')} {problem.get('file')}: "
+                  f"{problem.get('message')}", file=sys.stderr)
 
 
 def _token(args: argparse.Namespace) -> str | None:
@@ -112,7 +117,25 @@ def _message(args: argparse.Namespace, body: dict[str, Any]) -> str:
                 "LORA_SIDECAR_API_TOKEN): pass the token the sidecar was started with")
     if code == "stage_timeout":
         return f"{message} (--timeout sets how long this command waits)"
+    if code == "invalid_adapter" and body.get("problems"):
+        return _refusal(args, body)
     return message
+
+
+def _refusal(args: argparse.Namespace, body: dict[str, Any]) -> str:
+    """The head of a refusal; the API's message also quotes the first problems, which the
+    command line lists in full below it."""
+    adapter_id = body.get("adapter_id") or getattr(args, "adapter_id", "")
+    count = len(body["problems"])
+    head = f"adapter {adapter_id} was refused by validation ({count} problem" + (
+        "s)" if count > 1 else ")")
+    until = body.get("remembered_until")
+    if body.get("remembered"):
+        head += f", at {body.get('refused_at')}: this is that remembered verdict"
+    if until:
+        head += (f"; the verdict is kept until {until} (--refusal-ttl): after fixing the "
+                 f"adapter, `lora-sidecar evict {adapter_id}` clears it now")
+    return head
 
 
 def _check_ids(ids: list[str]) -> None:
@@ -217,6 +240,7 @@ def cmd_prewarm(args: argparse.Namespace) -> int:
             if not args.json:
                 print(f"FAILED {adapter_id}: {exc.body.get('error')}: "
                       f"{_message(args, exc.body)}", file=sys.stderr)
+                _print_problems(exc.body)
             continue
         results[adapter_id] = answer
         if not args.json:
@@ -249,9 +273,8 @@ def _wait_ready(args: argparse.Namespace) -> tuple[bool, str]:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from .validation.shapes import ModelShapes
-    from .validation.signatures import verify_folder
     from .validation.signing_policy import NO_POLICY, SigningPolicy
-    from .validation.validate import Rules, report, validate_adapter
+    from .validation.validate import Rules, run_validate
 
     try:
         shapes = ModelShapes.from_file(args.base_model_config) if args.base_model_config else None
@@ -269,16 +292,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if not args.path.is_dir():
         print(f"error: {args.path} is not a folder", file=sys.stderr)
         return EXIT_USAGE
-    adapter_id = args.adapter_id or args.path.resolve().name
-    problems = validate_adapter(args.path, rules)
-    rule = signing.rule_for(adapter_id)
-    verdict = verify_folder(args.path, adapter_id, rule)
-    extra: dict[str, object] = {}
-    if args.policy:
-        extra = {"adapter_id": adapter_id, "rule": rule.describe(),
-                 "signer": verdict.signed.signer if verdict.signed else None}
-    return report(args.path, [*problems, *verdict.problems], as_json=args.json,
-                  out=sys.stdout, extra=extra)
+    return run_validate(args.path, rules, as_json=args.json, out=sys.stdout,
+                        adapter_id=args.adapter_id)
 
 
 def cmd_sign(args: argparse.Namespace) -> int:
@@ -286,8 +301,8 @@ def cmd_sign(args: argparse.Namespace) -> int:
     this key (or the certificate's CA and identity) accepts it."""
     from .cache.records import content_digest
     from .filehash import hash_file
+    from .validation.files import SIGNATURE_FILE, listed, plan_folder
     from .validation.signatures import sign_folder
-    from .validation.validate import RECORD_FILE, SIGNATURE_FILE, check_file_name
 
     folder: Path = args.folder
     if not folder.is_dir():
@@ -297,16 +312,16 @@ def cmd_sign(args: argparse.Namespace) -> int:
         print("error: --certificate and --chain go together (the signing certificate and the "
               "CA certificates it chains up to)", file=sys.stderr)
         return EXIT_USAGE
-    # Sign only what the sidecar would publish: a stray file signed now is refused later.
-    entries = sorted(p for p in folder.iterdir() if p.name not in (SIGNATURE_FILE, RECORD_FILE))
-    refused = [f"{problem.file}: {problem.message}" for p in entries
-               if (problem := check_file_name(p.name)) is not None]
-    refused += [f"{p.name}: not a plain file" for p in entries
-                if p.is_symlink() or not p.is_file()]
-    if refused:
-        print(f"error: {folder} holds files the sidecar refuses; remove them first:\n  "
-              + "\n  ".join(refused), file=sys.stderr)
+    # The statement lists what the sidecar publishes; an entry that makes it refuse the
+    # adapter would be refused whatever the signature says.
+    plan = plan_folder(folder)
+    if plan.problems:
+        print(f"error: the sidecar would refuse {folder}; fix it first:\n  "
+              + "\n  ".join(f"{p.code} {p.file}: {p.message}" for p in plan.problems),
+              file=sys.stderr)
         return EXIT_FAILED
+    if plan.ignored:
+        print(f"note: left out, as the sidecar leaves them out: {listed(plan.ignored)}")
     password = None
     if args.key_password_file:
         password = args.key_password_file.read_text(encoding="utf-8").strip()
@@ -316,7 +331,8 @@ def cmd_sign(args: argparse.Namespace) -> int:
     except (OSError, ValueError, TypeError) as exc:
         print(f"error: cannot sign {folder}: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    sums = {p.name: hash_file(p).sha256 for p in entries}
+    sums = {name: hash_file(folder / name).sha256 for name in plan.fetched
+            if name != SIGNATURE_FILE}
     print(f"signed {len(sums)} files of {folder} into {signature}\n"
           f"content digest {content_digest(sums)} (the sidecar answers it for these bytes)")
     return EXIT_OK
@@ -352,7 +368,8 @@ def cmd_examples(args: argparse.Namespace) -> int:
 
 def _client_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
                    help_text: str, handler: Handler) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(name, help=help_text, description=help_text)
+    parser = subparsers.add_parser(name, help=help_text, description=help_text,
+                                   allow_abbrev=False)
     parser.add_argument("--url", default=os.environ.get("LORA_SIDECAR_URL", DEFAULT_URL),
                         help=f"the sidecar's address [LORA_SIDECAR_URL; default {DEFAULT_URL}]")
     parser.add_argument("--token", default=None,
@@ -388,7 +405,8 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 
 def add_validate_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "validate", help="check a local adapter folder with the sidecar's rules",
+        "validate", allow_abbrev=False,
+        help="check a local adapter folder with the sidecar's rules",
         description="Check a local adapter folder with the same rules the sidecar applies "
         "before publishing; exit 0 if valid, 1 with every problem listed if not.",
     )
@@ -433,7 +451,7 @@ def add_sign_command(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
 
 def add_examples_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "examples",
+        "examples", allow_abbrev=False,
         help="write two small example adapters into an empty local registry",
         description="Write two small, valid example adapters (example-support-v1, "
         "example-sql-v1) into FOLDER if it is empty or does not exist. Exit 0 when they were "

@@ -7,6 +7,7 @@ variables (`LORA_SIDECAR_<NAME>`) and `--help` are all generated from that table
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import math
 import os
@@ -310,6 +311,7 @@ class Option:
     help: str
     metavar: str = "VALUE"
     secret: bool = False
+    default_text: str = ""  # --help's default where the raw value would not say (empty ones)
 
     @property
     def env_var(self) -> str:
@@ -324,7 +326,7 @@ OPTIONS: tuple[Option, ...] = (
            "the cache volume shared with Triton (adapters/, .staging/, .trash/)", "DIR"),
     Option("triton_cache_root", "--triton-cache-root", _parse_absolute_path, "",
            "the cache root as Triton's container sees it, used in the paths handed out "
-           "and in multi_lora.json (default: --cache-root, made absolute)", "DIR"),
+           "and in multi_lora.json", "DIR", default_text="--cache-root, made absolute"),
     Option("host", "--host", _parse_host, "127.0.0.1",
            "address the HTTP API binds to; anything but loopback should set --api-token",
            "ADDR"),
@@ -332,8 +334,8 @@ OPTIONS: tuple[Option, ...] = (
            "PORT"),
     Option("metrics_host", "--metrics-host", _parse_optional_str, "",
            "address of a second, read-only listener (GET /metrics, /metrics/epp, /healthz, "
-           "/readyz), e.g. the pod IP or 0.0.0.0, while the API stays on --host "
-           "(default: none)", "ADDR"),
+           "/readyz), e.g. the pod IP or 0.0.0.0, while the API stays on --host", "ADDR",
+           default_text="none: no second listener"),
     Option("metrics_port", "--metrics-port", _parse_port, "9400",
            "port of the --metrics-host listener", "PORT"),
     Option("epp_metrics", "--epp-metrics", _parse_bool, "false",
@@ -351,9 +353,10 @@ OPTIONS: tuple[Option, ...] = (
            "at start (only what differs is written), so Triton loads a repository on the "
            "cache volume while the template stays read-only", "DIR"),
     Option("s3_endpoint_url", "--s3-endpoint-url", _parse_http_url, "",
-           "S3-compatible endpoint, e.g. http://minio:9000 (default: AWS)", "URL"),
+           "S3-compatible endpoint, e.g. http://minio:9000", "URL", default_text="AWS S3"),
     Option("s3_region", "--s3-region", _parse_optional_str, "",
-           "S3 region (default: the AWS credential chain's region, else us-east-1)", "REGION"),
+           "S3 region", "REGION",
+           default_text="the AWS credential chain's region, else us-east-1"),
     Option("s3_connect_timeout_s", "--s3-connect-timeout", _positive(_parse_float), "5",
            "seconds to wait for a connection to the registry", "SECONDS"),
     Option("s3_read_timeout_s", "--s3-read-timeout", _positive(_parse_float), "30",
@@ -393,12 +396,17 @@ OPTIONS: tuple[Option, ...] = (
            "seconds an id the registry does not have is answered 404 from memory, without "
            "listing the registry again (an adapter uploaded since is found once they pass)",
            "SECONDS"),
+    Option("upload_settle_s", "--upload-settle", _at_least(_parse_float, 0, "0 or more"), "1",
+           "an adapter whose newest file the registry stored less than this ago (by the "
+           "registry's own clock, to the second on S3) is staged once its files have been "
+           "quiet that long, so the files of one upload landing a moment apart are staged "
+           "together; 0 stages at once", "SECONDS"),
     Option("max_lora_rank", "--max-lora-rank", _at_least(_parse_int, 1, "at least 1"), "16",
            "largest LoRA rank the served engine accepts (vLLM's max_lora_rank)", "N"),
     Option("allowed_target_modules", "--allowed-target-modules", _parse_modules,
            ",".join(LLAMA_TARGET_MODULES),
-           "modules an adapter may target (comma-separated; default: the Llama family's)",
-           "NAMES"),
+           "modules an adapter may target (comma-separated)", "NAMES",
+           default_text="the Llama family's projections, " + ",".join(LLAMA_TARGET_MODULES)),
     Option("base_model", "--base-model", _parse_optional_str, "",
            "when set, an adapter's base_model_name_or_path must equal it", "NAME"),
     Option("base_model_config", "--base-model-config", _parse_existing_file, "",
@@ -407,21 +415,26 @@ OPTIONS: tuple[Option, ...] = (
     Option("signing_policy", "--signing-policy", _parse_signing_policy, "",
            "a TOML file naming, per adapter id, exact or by prefix or glob, the signers (public "
            "keys, or CA roots and an identity) whose OMS signature (model.sig) it needs and a "
-           "mode: require, verify-if-present or off (default: no file, every adapter off)",
+           "mode: require, verify-if-present or off (without a file every adapter is off)",
            "FILE"),
     Option("catalog_refresh_s", "--catalog-refresh", _positive(_parse_float), "30",
            "longest seconds between two looks at the catalog (quiet window, generations to "
            "retire; changes are acted on at once), and seconds between two listings of the "
            "registry (GET /catalog's registry view; folders that cannot be adapters are logged "
            "and counted)", "SECONDS"),
-    Option("spare_names", "--spare-names", _at_least(_parse_int, 0, "0 or more"), "32",
-           "spare names each catalog generation lists, bound to new adapters without a reload "
-           "(needs --base-model-config); 0: every adapter the loaded catalog does not list "
-           "costs a reload", "N"),
+    Option("spare_names", "--spare-names", _parse_optional_count, "auto",
+           "spare names each catalog generation lists, given to adapters it does not list "
+           "without a reload (auto: the registry's adapters not on disk plus a quarter of the "
+           "registry, at least 32, at most --spare-names-max); 0: every adapter the loaded "
+           "catalog does not list costs a reload", "N"),
+    Option("spare_names_max", "--spare-names-max", _at_least(_parse_int, 1, "at least 1"),
+           "4096", "most spare names one generation lists (each costs the engine a little at "
+           "load time and per request; see the README)", "N"),
     Option("compact_below", "--compact-below", _parse_optional_count, "auto",
            "plan a compaction (a new generation and a reload) when this many spare names or "
-           "fewer are left (auto: a quarter of --spare-names); with --compaction-window it "
-           "waits for the window unless no spare is left", "N"),
+           "fewer are left (auto: an eighth of the generation's spares, and at least 4 or a "
+           "quarter of them); with --compaction-window it waits for the window unless no spare "
+           "is left", "N"),
     Option("compaction_window", "--compaction-window", _parse_window, "",
            "daily quiet window, HH:MM-HH:MM in UTC, in which the catalog is compacted if "
            "anything was bound or evicted since it was rendered", "HH:MM-HH:MM"),
@@ -492,13 +505,15 @@ class Settings:
     stage_timeout_s: float = 600.0
     refusal_ttl_s: float = 60.0
     not_found_ttl_s: float = 2.0
+    upload_settle_s: float = 1.0
     max_lora_rank: int = 16
     allowed_target_modules: tuple[str, ...] = LLAMA_TARGET_MODULES
     base_model: str | None = None
     base_model_config: Path | None = None
     signing_policy: Path | None = None
     catalog_refresh_s: float = 30.0
-    spare_names: int = 32
+    spare_names: int | None = None  # None: sized from the registry
+    spare_names_max: int = 4096
     compact_below: int | None = None
     compaction_window: CompactionWindow | None = None
     triton_url: str | None = None
@@ -519,13 +534,6 @@ class Settings:
         """Triton's view of the cache root; always absolute (vLLM reads relative paths as
         hub ids)."""
         return self.triton_cache_root or self.cache_root.absolute()
-
-    @property
-    def compact_below_spares(self) -> int:
-        """Spares left at or below which a compaction is planned."""
-        if self.compact_below is not None:
-            return self.compact_below
-        return self.spare_names // 4
 
     @property
     def is_s3(self) -> bool:
@@ -567,7 +575,7 @@ class Settings:
         return cls(**parsed)
 
     def describe(self) -> dict[str, Any]:
-        """Settings as shown in logs and /healthz: secrets hidden."""
+        """Settings as shown in logs, as JSON values: secrets hidden, lists as given."""
         shown: dict[str, Any] = {}
         for option in OPTIONS:
             value = getattr(self, option.field)
@@ -583,8 +591,24 @@ class Settings:
                 value = value.text
             elif isinstance(value, str):
                 value = hide_password(value)
+            elif isinstance(value, tuple):
+                value = ",".join(value)
             shown[option.field] = value
         return shown
+
+    def changes(self) -> str:
+        """One short line for the start-up log: `key=value` for each setting that differs
+        from its default (describe() has them all)."""
+        defaults = Settings.from_values({}).describe()
+        pairs = [f"{key}={_logfmt(value)}" for key, value in self.describe().items()
+                 if value != defaults[key]]
+        return " ".join(pairs) or "all at their defaults"
+
+
+def _logfmt(value: object) -> str:
+    text = "none" if value is None else str(value).lower() if isinstance(value, bool) else str(
+        value)
+    return json.dumps(text) if not text or any(c in text for c in ' "=\t\n') else text
 
 
 def _read_token(path: Path, problems: list[str]) -> str | None:
@@ -602,9 +626,12 @@ def _check(p: Mapping[str, Any]) -> Iterable[str]:
     """Checks across options; only run once every option parsed on its own."""
     if len(p["pin"]) > p["max_adapters"]:
         yield f"--pin lists {len(p['pin'])} adapters but --max-adapters is {p['max_adapters']}"
-    if p["compact_below"] is not None and 0 < p["spare_names"] <= p["compact_below"]:
+    spares = p["spare_names"]
+    if p["compact_below"] is not None and spares is not None and 0 < spares <= p["compact_below"]:
         yield (f"--compact-below {p['compact_below']} must be less than --spare-names "
-               f"{p['spare_names']}: every binding would plan a compaction")
+               f"{spares}: every binding would plan a compaction")
+    if spares is not None and spares > p["spare_names_max"]:
+        yield f"--spare-names {spares} is more than --spare-names-max {p['spare_names_max']}"
     if p["metrics_host"] == p["host"] and p["metrics_port"] == p["port"] and p["port"] != 0:
         yield (f"--metrics-host/--metrics-port {p['metrics_host']}:{p['metrics_port']} is the "
                "API's own address; give the read-only listener another port")

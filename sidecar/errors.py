@@ -19,6 +19,9 @@ class SidecarError(Exception):
         super().__init__(message)
         self.message = message
         self.adapter_id = adapter_id
+        # Set by the one that logged it (the stager, for a failed stage), so the API does not
+        # log it again for each caller it answers.
+        self.logged = False
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"error": self.code, "message": self.message}
@@ -101,14 +104,14 @@ class InvalidAdapter(SidecarError):
         more = f" (+{len(self.problems) - 5} more)" if len(self.problems) > 5 else ""
         if remembered:
             head = f"adapter {adapter_id} was refused by validation at {refused_at}"
-            tail = (f". This is that remembered verdict, kept until {remembered_until} "
-                    f"(--refusal-ttl); after fixing the adapter, `lora-sidecar evict "
-                    f"{adapter_id}` (POST /evict) clears it now")
+            tail = (f". This is that remembered verdict for the same files in the registry, "
+                    f"kept until {remembered_until} (--refusal-ttl); a new upload of the "
+                    "adapter is judged afresh as soon as it is listed")
         else:
             head = f"adapter {adapter_id} was refused by validation"
             tail = "" if remembered_until is None else (
-                f". The verdict is remembered until {remembered_until} (--refusal-ttl); "
-                f"`lora-sidecar evict {adapter_id}` (POST /evict) clears it sooner")
+                f". The verdict is remembered for these files until {remembered_until} "
+                "(--refusal-ttl); a new upload is judged afresh at once")
         super().__init__(f"{head}: {summary}{more}{tail}", adapter_id=adapter_id)
 
     def recalled(self) -> InvalidAdapter:

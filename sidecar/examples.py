@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -97,10 +99,13 @@ def write_adapter(
         )
         for name, a in arrays.items()
     }
-    weights = folder / "adapter_model.safetensors"
-    serialize_file(specs, str(weights), metadata={"format": "pt"})
     config = folder / "adapter_config.json"
     config.write_text(json.dumps(adapter_config(rank, target_modules, base_model), indent=2))
+    weights = folder / "adapter_model.safetensors"
+    serialize_file(specs, str(weights), metadata={"format": "pt"})
+    # safetensors creates its file 0600 whatever the umask; a registry seeded here is read by
+    # others too (MinIO's user, a container's), so the weights get the mode the config got.
+    os.chmod(weights, stat.S_IMODE(config.stat().st_mode))
     return weights.stat().st_size + config.stat().st_size
 
 

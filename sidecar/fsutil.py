@@ -1,12 +1,33 @@
-"""Filesystem helpers every part of the sidecar shares: timestamps, directory fsync, removal."""
+"""Filesystem helpers every part of the sidecar shares: timestamps, directory fsync, removal,
+the kind of a folder entry."""
 
 from __future__ import annotations
 
 import functools
 import os
 import shutil
+import stat
 import time
+from enum import Enum
 from pathlib import Path
+
+
+class EntryKind(Enum):
+    """What an entry of an adapter folder is (an S3 object is always a FILE)."""
+
+    FILE = "file"
+    FOLDER = "folder"
+    LINK = "symbolic link"
+    OTHER = "special file"
+
+
+def entry_kind(mode: int) -> EntryKind:
+    """The kind of an entry from its `lstat` mode."""
+    if stat.S_ISLNK(mode):
+        return EntryKind.LINK
+    if stat.S_ISDIR(mode):
+        return EntryKind.FOLDER
+    return EntryKind.FILE if stat.S_ISREG(mode) else EntryKind.OTHER
 
 
 def iso_utc(unix_s: float) -> str:

@@ -8,13 +8,15 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from aiohttp.typedefs import Handler
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
+
+from .version import build_info
 
 if TYPE_CHECKING:
     from .cache.stager import Stager
@@ -116,6 +118,20 @@ class Metrics:
             "lora_sidecar_catalog_spares_left", "Unbound spare names in the generation the "
             "serving engine loaded.", registry=r,
         )
+        self.catalog_names = Gauge(
+            "lora_sidecar_catalog_names", "Names of the generation the serving engine loaded, "
+            "by state (unbound, bound, parked, burnt, retired).", ["state"], registry=r,
+        )
+        self.catalog_name_changes = Counter(
+            "lora_sidecar_catalog_name_changes", "Names that changed, by change: bound (a spare "
+            "given to an adapter version), parked (its version left the disk), returned (the "
+            "same bytes staged again), burnt (never handed out again).", ["change"], registry=r,
+        )
+        self.catalog_disk_bytes = Gauge(
+            "lora_sidecar_catalog_disk_bytes", "Bytes the catalog keeps on the cache volume "
+            "outside the adapters' budget: the no-op adapters, the names' links and folders, "
+            "the journal and multi_lora.json.", registry=r,
+        )
         self.catalog_compactions = Counter(
             "lora_sidecar_catalog_compactions", "New catalog generations rendered to replace "
             "one in use, by reason (exhausted, spares_low, window, requested, engine_lost).",
@@ -130,6 +146,11 @@ class Metrics:
             "lora_sidecar_triton_reloads", "Reloads of the vLLM model asked of Triton, by outcome.",
             ["outcome"], registry=r,
         )
+        self.build = Info(
+            "lora_sidecar_build", "The running lora-sidecar: its version and Python's.",
+            registry=r,
+        )
+        self.build.info(build_info())
         for result in ("hit", "miss", "error"):  # every series exists from the first scrape
             self.stage_requests.labels(result=result)
             self.stage_duration.labels(result=result)
@@ -139,6 +160,8 @@ class Metrics:
             self.signature_verifications.labels(outcome=outcome)
         for reason in ("exhausted", "spares_low", "window", "requested", "engine_lost"):
             self.catalog_compactions.labels(reason=reason)
+        for change in ("bound", "parked", "returned", "burnt"):
+            self.catalog_name_changes.labels(change=change)
         # GET /metrics: prometheus_client's own handler, in the format the scraper asks for.
         self.handler: Handler = make_aiohttp_handler(r, disable_compression=True)
         if process:

@@ -390,29 +390,22 @@ def _no_lora_tensors(folder: Path) -> None:
     write_parts(folder / WEIGHTS, {"__metadata__": {"format": "pt"}}, b"")
 
 
-def _bin_beside_safetensors(folder: Path) -> None:
+def _pickle_weights_only(folder: Path) -> None:
     write_valid(folder)
+    (folder / WEIGHTS).unlink()
     (folder / "adapter_model.bin").write_bytes(b"\x80\x04\x95 not really a pickle")
 
 
-def _code_file(folder: Path) -> None:
+def _new_embeddings(folder: Path) -> None:
     write_valid(folder)
-    (folder / "tokenizer_config.json").write_text('{"auto_map": {"AutoTokenizer": "x.Tok"}}')
-
-
-def _unlisted_file(folder: Path) -> None:
-    write_valid(folder)
-    (folder / "training_args.json").write_text("{}")
-
-
-def _sub_folder(folder: Path) -> None:
-    write_valid(folder)
-    (folder / "checkpoint-100").mkdir()
+    (folder / "new_embeddings.safetensors").write_bytes(b"\0" * 16)
 
 
 def _symlink(folder: Path) -> None:
     write_valid(folder)
-    os.symlink(CONFIG, folder / "README.md")
+    real = folder.parent / f"{folder.name}.config.json"
+    (folder / CONFIG).rename(real)
+    os.symlink(real, folder / CONFIG)
 
 
 def _missing_weights(folder: Path) -> None:
@@ -502,10 +495,8 @@ CORPUS: tuple[BrokenAdapter, ...] = (
     _case("rank_pattern_ignored", "rank_pattern_not_supported", _rank_pattern_ignored),
     _case("alpha_pattern_ignored", "alpha_pattern_not_supported", _alpha_pattern_ignored),
     # files (checklist A)
-    _case("bin_beside_safetensors", "forbidden_file", _bin_beside_safetensors),
-    _case("tokenizer_config", "forbidden_file", _code_file),
-    _case("unlisted_file", "unexpected_file", _unlisted_file),
-    _case("sub_folder", "nested_path", _sub_folder, in_registry=False),
+    _case("pickle_weights_only", "forbidden_file", _pickle_weights_only),
+    _case("new_embeddings", "forbidden_file", _new_embeddings),
     _case("symlink", "symlink", _symlink, in_registry=False),
     _case("missing_weights", "missing_file", _missing_weights),
     # checksums

@@ -68,12 +68,18 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _generate(self, prompt: str, sampling_json: str) -> Iterator[str]:
         lora_name = json.loads(sampling_json)["lora_name"]
-        folder = self.server.adapters_dir / lora_name
+        # As the engine does: the name's path in the catalog the sidecar rendered.
+        catalog = json.loads((self.server.adapters_dir.parent / "multi_lora.json").read_text())
+        if lora_name not in catalog:
+            raise routing.VllmError(f"LoRA {lora_name} is not supported, we currently support "
+                                    f"{list(catalog)[:5]}")
+        folder = Path(catalog[lora_name])
         if not (folder / "adapter_config.json").is_file():
             raise routing.VllmError(f"Loading lora {lora_name} failed: No adapter found for "
                                     f"{folder}")
         time.sleep(self.server.generate_s)  # as an engine takes time to generate
-        yield f"adapter={lora_name} node={self.server.name}"
+        # The adapter whose folder the name led to (a spare name leads to its adapter's).
+        yield f"adapter={folder.resolve().name} node={self.server.name}"
 
     def _answer(self, status: int, payload: dict[str, Any]) -> None:
         data = json.dumps(payload).encode()

@@ -109,6 +109,17 @@ def sign_with_certificate(folder: Path, leaf: Leaf) -> Path:
                        chain=leaf.chain)
 
 
+def write_sha256sums(folder: Path) -> Path:
+    """A valid SHA256SUMS for the adapter's two engine files: a file the sidecar publishes."""
+    import hashlib
+
+    names = ("adapter_config.json", "adapter_model.safetensors")
+    path = folder / "SHA256SUMS"
+    path.write_text("".join(f"{hashlib.sha256((folder / n).read_bytes()).hexdigest()}  {n}\n"
+                            for n in names))
+    return path
+
+
 def write_policy(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")

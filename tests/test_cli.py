@@ -16,6 +16,7 @@ import pytest
 from sidecar.app import Sidecar
 from sidecar.config import OPTIONS, Settings, format_size, parse_size
 from sidecar.errors import ConfigError
+from tests.broken_adapters import edit_config
 from tests.conftest import StartSidecar, call, local_registry_adapter, make_settings
 
 
@@ -37,6 +38,47 @@ def test_serve_help_documents_every_option_and_its_environment_variable() -> Non
     for option in OPTIONS:
         assert option.flag in result.stdout
         assert option.env_var in result.stdout
+
+
+def test_serve_help_is_in_sections_and_states_each_default_once() -> None:
+    from sidecar.__main__ import SERVE_SECTIONS, build_parser
+
+    sectioned = [name for _, names in SERVE_SECTIONS for name in names]
+    assert sorted(sectioned) == sorted(o.field for o in OPTIONS)  # each in exactly one
+    serve = next(a for a in build_parser()._subparsers._group_actions  # type: ignore[union-attr]
+                 ).choices["serve"]
+    groups = {g.title: [a.dest for a in g._group_actions] for g in serve._action_groups}
+    for title, names in SERVE_SECTIONS:
+        assert groups[title] == list(names)
+    for action in serve._actions:
+        if action.dest in sectioned:
+            assert action.help is not None and action.help.count("default") == 1, action.help
+    text = serve.format_help()
+    assert "other options" not in text
+    for code in ("0  stopped by SIGTERM", "1  the port could not be bound",
+                 "2  the configuration cannot work", "3  another lora-sidecar owns the cache"):
+        assert f"  {code}" in text
+
+
+@pytest.mark.parametrize("args", [
+    ["serve", "--max-byte", "10GiB"],
+    ["stage", "a", "--time", "5"],
+    ["validate", ".", "--max-lora", "32"],
+    ["examples", "--skip-if", "folder"],
+])
+def test_a_unique_prefix_of_an_option_is_refused_not_guessed(args: list[str]) -> None:
+    result = subprocess.run([sys.executable, "-m", "sidecar", *args], capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert f"unrecognized arguments: {args[-2]}" in result.stderr
+
+
+def test_version_is_the_installed_distribution() -> None:
+    from importlib.metadata import version
+
+    result = subprocess.run([sys.executable, "-m", "sidecar", "--version"],
+                            capture_output=True, text=True, timeout=30)
+    assert (result.returncode, result.stdout) == (0, f"lora-sidecar {version('lora-sidecar')}\n")
 
 
 def test_bad_configuration_lists_every_problem_at_start(tmp_path: Path) -> None:
@@ -87,6 +129,20 @@ def test_examples_fill_an_empty_registry_once(tmp_path: Path) -> None:
             [sys.executable, "-m", "sidecar", "validate", str(registry / adapter_id)],
             capture_output=True, text=True, timeout=60)
         assert checked.returncode == 0, checked.stdout
+
+
+def test_examples_are_readable_by_other_users(tmp_path: Path) -> None:
+    """A registry seeded with `examples` is read by others too: MinIO's user uploading it, a
+    container running as another uid. Every file is 0644 under the usual umask, as
+    adapter_config.json always was (safetensors writes its file 0600)."""
+    registry = tmp_path / "registry"
+    result = subprocess.run(["sh", "-c", f'umask 022 && exec "$0" -m sidecar examples {registry}',
+                             sys.executable], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    modes = {p.relative_to(registry).as_posix(): oct(p.stat().st_mode & 0o777)
+             for p in registry.rglob("*") if p.is_file()}
+    assert len(modes) == 4
+    assert set(modes.values()) == {"0o644"}, modes
 
 
 async def test_client_commands_against_a_running_sidecar(
@@ -145,6 +201,32 @@ async def test_prewarm_exits_zero_only_when_every_adapter_is_staged(
     report = json.loads(out)
     assert report["failed"] == ["missing"]
     assert report["results"]["missing"]["error"] == "adapter_not_found"
+
+
+async def test_a_refused_stage_prints_each_problem_once_and_how_to_clear_the_verdict(
+    tmp_path: Path, start_sidecar: StartSidecar
+) -> None:
+    folder = local_registry_adapter(tmp_path, "bad-v1", rank=32)
+    edit_config(folder, use_dora=True)
+    sidecar = await start_sidecar(make_settings(tmp_path))
+
+    for attempt in ("first", "remembered"):
+        code, _, err = await run_cli("stage", "bad-v1", "--url", sidecar.url)
+
+        assert code == 1, err
+        lines = err.splitlines()
+        assert lines[0].startswith("error: invalid_adapter: adapter bad-v1 was refused by "
+                                   "validation (2 problems")
+        assert "`lora-sidecar evict bad-v1` clears it now" in lines[0]
+        assert ("remembered verdict" in lines[0]) is (attempt == "remembered")
+        for what in ("rank_too_large adapter_config.json",
+                     "dora_not_supported adapter_config.json"):
+            assert [line.startswith(f"  - {what}: ") for line in lines[1:]].count(True) == 1
+        assert err.count("greater than max_lora_rank") == 1, err
+
+    code, _, err = await run_cli("prewarm", "bad-v1", "--url", sidecar.url, "--ready-timeout", "1")
+    assert code == 1
+    assert err.count("greater than max_lora_rank") == 1, err
 
 
 async def test_client_commands_report_an_unreachable_sidecar() -> None:
@@ -276,7 +358,7 @@ def test_sign_then_validate_with_the_policy_accepts_the_folder_and_a_change_is_n
     tmp_path: Path
 ) -> None:
     from sidecar.examples import write_adapter
-    from tests.signing_keys import key_policy, make_key
+    from tests.signing_keys import key_policy, make_key, write_sha256sums
 
     key = make_key(tmp_path / "keys", "acme-2026")
     policy = key_policy(tmp_path, key, match='prefix = "acme-"')
@@ -290,7 +372,7 @@ def test_sign_then_validate_with_the_policy_accepts_the_folder_and_a_change_is_n
     unsigned = cli("validate", str(folder), "--policy", str(policy))
     signed = cli("sign", str(folder), "--key", str(key.private))
     valid = cli("validate", str(folder), "--policy", str(policy), "--json")
-    (folder / "README.md").write_text("added after signing\n")
+    write_sha256sums(folder)
     changed = cli("validate", str(folder), "--policy", str(policy))
     other_id = cli("validate", str(folder), "--policy", str(policy), "--adapter-id", "globex-x")
 
@@ -312,12 +394,12 @@ def test_sign_refuses_a_folder_holding_files_the_sidecar_would_refuse(tmp_path: 
     key = make_key(tmp_path / "keys", "k")
     folder = tmp_path / "a"
     write_adapter(folder)
-    (folder / "training_args.bin").write_bytes(b"pickle")
+    (folder / "new_embeddings.safetensors").write_bytes(b"tokens added in training")
 
     result = subprocess.run([sys.executable, "-m", "sidecar", "sign", str(folder), "--key",
                              str(key.private)], capture_output=True, text=True, timeout=60)
 
-    assert result.returncode == 1 and "training_args.bin" in result.stderr
+    assert result.returncode == 1 and "new_embeddings.safetensors" in result.stderr
     assert not (folder / "model.sig").exists()
 
 

@@ -176,9 +176,130 @@ def test_env_example_lists_every_variable_the_compose_files_read() -> None:
             for name in re.findall(r"\$\{([A-Z0-9_]+)", path.read_text())}
     listed = set(_read_env_file(ENV_EXAMPLE))
     assert used - listed == set(), "variables missing from .env.example"
-    assert listed - used - {"COMPOSE_PROJECT_NAME"} == set(), "settings nothing reads"
+    assert listed - used - {"COMPOSE_PROJECT_NAME", "COMPOSE_FILE"} == set(), (
+        "settings nothing reads")
     required = set(re.findall(r"\$\{([A-Z0-9_]+):\?", COMPOSE_FILE.read_text()))
     assert required == set(REQUIRED_SETTINGS) | {"S3_ACCESS_KEY_ID"}
+
+
+def _plain_config(env_file: Path) -> dict[str, Any]:
+    """`docker compose config` as a user types it in compose/: no -f, the files from the
+    env file's COMPOSE_FILE (--env-file stands for compose/.env, which the test leaves alone)."""
+    executable = shutil.which("docker-compose")
+    if executable is None:
+        pytest.fail("docker-compose is missing: run scripts/install-system-deps.sh")
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(env_file.parent)}
+    result = subprocess.run([executable, "--env-file", str(env_file), "config"], cwd=COMPOSE,
+                            env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    config: dict[str, Any] = yaml.safe_load(result.stdout)
+    return config
+
+
+def test_plain_compose_up_in_compose_is_the_gpu_node_and_one_env_line_makes_it_the_cpu_node(
+    tmp_path: Path,
+) -> None:
+    example = ENV_EXAMPLE.read_text()
+    gpu_line = re.search(r"^COMPOSE_FILE=.*$", example, flags=re.MULTILINE)
+    cpu_line = re.search(r"^#(COMPOSE_FILE=.*cpu.*)$", example, flags=re.MULTILINE)
+    assert gpu_line is not None and cpu_line is not None
+
+    gpu = _plain_config(_write_env(tmp_path / "gpu.env", **REQUIRED_SETTINGS))
+    devices = gpu["services"]["triton"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    assert gpu["services"]["triton"]["image"] == _read_env_file(ENV_EXAMPLE)["TRITON_IMAGE"]
+
+    cpu_env = tmp_path / "cpu.env"
+    cpu_env.write_text(_write_env(tmp_path / "gpu.env", **REQUIRED_SETTINGS).read_text()
+                       .replace(gpu_line.group(0), cpu_line.group(1)))
+    cpu = _plain_config(cpu_env)["services"]["triton"]
+    assert "deploy" not in cpu
+    assert cpu["build"]["dockerfile"] == "compose/triton-cpu/Dockerfile"
+
+
+def test_the_readmes_env_steps_run_as_written_give_the_gpu_node(tmp_path: Path) -> None:
+    """The first node's .env steps of compose/README.md (from `cp .env.example .env` to the
+    `up`), run by a shell in a copy of compose/ with its own $HOME: `docker compose config`
+    then describes the GPU node, with MODEL_DIR written out and every secret set."""
+    readme = (COMPOSE / "README.md").read_text()
+    block = next(b for b in re.findall(r"```sh\n(.*?)```", readme, flags=re.DOTALL)
+                 if "cp .env.example .env" in b)
+    lines = block.splitlines()
+    steps = "\n".join(lines[lines.index("cp .env.example .env"):lines.index(
+        "docker compose up -d --build")])
+    folder = tmp_path / "compose"
+    folder.mkdir()
+    shutil.copy(ENV_EXAMPLE, folder / ".env.example")
+    home = tmp_path / "home"
+    subprocess.run(["bash", "-ec", steps], cwd=folder, check=True, timeout=60,
+                   env={"PATH": os.environ.get("PATH", ""), "HOME": str(home)})
+
+    env = _read_env_file(folder / ".env")
+    assert env["MODEL_DIR"] == f"{home}/models/qwen3-0.6b"
+    assert all(len(env[name]) >= 8 for name in REQUIRED_SETTINGS if name != "MODEL_DIR")
+    triton = _plain_config(folder / ".env")["services"]["triton"]
+    assert triton["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+
+
+# Names in compose/README.md that are not settings of compose/.env, and why.
+NOT_ENV_SETTINGS = {
+    "BASE_IMAGE": "a build argument", "TORCH_SPEC": "a build argument",
+    "TORCH_INDEX_URL": "a build argument", "WHEELS_URL": "a build argument",
+    "VLLM_BACKEND_FROM": "a build argument",
+    "DAC_READ_SEARCH": "a capability", "SYS_NICE": "a capability",
+    "HF_HUB_OFFLINE": "set in Triton's container", "HF_TOKEN": "the hf CLI's",
+    "COMPOSE_DOCKER_CLI_BUILD": "docker-compose 1.29's", "DOCKER_BUILDKIT": "docker's",
+    "LORA_SIDECAR_API_TOKEN": "the router's, set in Triton's container from SIDECAR_API_TOKEN",
+    "UNAVAILABLE": "a gRPC status",
+}
+
+
+def test_every_setting_compose_readme_mentions_is_settable_from_env() -> None:
+    """Each variable compose/README.md names is a line of .env.example that a compose file
+    reads; each LORA_SIDECAR_ line of .env.example reaches the sidecar under its own name."""
+    readme = (COMPOSE / "README.md").read_text()
+    mentioned = set(re.findall(r"`([A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+)[=`/ ]", readme))
+    mentioned |= set(re.findall(r"\b(LORA_SIDECAR_[A-Z0-9_]+)", readme))
+    settings = mentioned - set(NOT_ENV_SETTINGS)
+    assert {"LORA_SIDECAR_COMPACTION_WINDOW", "MODEL_DIR", "TRITON_RELOAD_MIN_INTERVAL"} <= settings
+    listed = set(_read_env_file(ENV_EXAMPLE))
+    read = {name for path in (COMPOSE_FILE, GPU_PROFILE, CPU_PROFILE)
+            for name in re.findall(r"\$\{([A-Z0-9_]+)", path.read_text())}
+    assert settings - listed == set(), "named in compose/README.md, missing from .env.example"
+    assert settings - read - {"COMPOSE_FILE"} == set(), "named in the README, read by no file"
+    raw = yaml.safe_load(COMPOSE_FILE.read_text())
+    sidecar_env = {**raw["x-adapter-rules-env"], **raw["services"]["sidecar"]["environment"]}
+    for name in (n for n in listed if n.startswith("LORA_SIDECAR_")):
+        default = _read_env_file(ENV_EXAMPLE)[name]
+        assert sidecar_env[name] == f"${{{name}:-{default}}}", name
+    # A .env value is taken as it is: the README must never show ~ where it means a home folder.
+    assert not re.search(r"^[A-Z_]+=~", readme, flags=re.MULTILINE)
+    assert not re.search(r"`[A-Z_]+=~", readme)
+
+
+def test_the_sidecars_own_settings_in_env_reach_it_and_minio_init(tmp_path: Path) -> None:
+    policy = tmp_path / "signing.toml"  # in the containers: a file mounted by an override
+    policy.write_text('[[adapters]]\nglob = "*"\nmode = "off"\n')
+    chosen = {"LORA_SIDECAR_MAX_LORA_RANK": "64",
+              "LORA_SIDECAR_ALLOWED_TARGET_MODULES": "q_proj,v_proj",
+              "LORA_SIDECAR_SPARE_NAMES": "8", "LORA_SIDECAR_COMPACT_BELOW": "2",
+              "LORA_SIDECAR_COMPACTION_WINDOW": "02:00-04:00",
+              "LORA_SIDECAR_SIGNING_POLICY": str(policy)}
+    assert set(chosen) == {n for n in _read_env_file(ENV_EXAMPLE) if n.startswith("LORA_SIDECAR_")}
+    services = _resolved(tmp_path, **chosen)["services"]
+    env = services["sidecar"]["environment"]
+    settings = Settings.from_env({k: v for k, v in env.items()
+                                  if k != "LORA_SIDECAR_BASE_MODEL_CONFIG"})
+    assert settings.max_lora_rank == 64
+    assert settings.allowed_target_modules == ("q_proj", "v_proj")
+    assert (settings.spare_names, settings.compact_below) == (8, 2)
+    assert settings.compaction_window is not None
+    assert settings.compaction_window.text == "02:00-04:00 UTC"
+    assert settings.signing_policy == policy
+    init_env = services["minio-init"]["environment"]
+    for name in ("LORA_SIDECAR_MAX_LORA_RANK", "LORA_SIDECAR_ALLOWED_TARGET_MODULES",
+                 "LORA_SIDECAR_SIGNING_POLICY"):
+        assert init_env[name] == chosen[name]  # the uploader checks by the same rules
 
 
 def test_cache_volume_is_shared_at_the_paths_the_sidecar_is_told(

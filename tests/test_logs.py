@@ -3,6 +3,7 @@ carrying its adapter id, bytes, duration and outcome; no credential is ever writ
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -12,11 +13,18 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from sidecar.config import LogFormat, Settings
 from sidecar.logs import JsonFormatter, fields
 from tests.broken_adapters import CORPUS
-from tests.conftest import S3Registry, call
+from tests.conftest import (
+    S3Registry,
+    StartSidecar,
+    call,
+    local_registry_adapter,
+    make_settings,
+)
 from tests.observing import eventually
 from tests.processes import SidecarProcess
 
@@ -95,11 +103,33 @@ async def test_json_log_lines_carry_each_state_change_and_no_credential(
     assert refused["problems"] == ["safetensors_length_mismatch"]
     (expired,) = _events(lines, "lease_expired")
     assert expired["adapter_id"] == "b"
-    # The settings line says a token is set, and nothing shows it or the AWS secret.
-    assert any("'api_token': '<set>'" in line["message"] for line in lines)
+    # The settings line is short, its values are fields of their own, it says a token is
+    # set, and nothing shows it or the AWS secret.
+    (settings,) = _events(lines, "settings")
+    assert settings["settings"]["api_token"] == "<set>"
+    assert settings["settings"]["lease_ttl_s"] == 0.5
+    assert "api_token=<set>" in settings["message"] and "lease_ttl_s=0.5" in settings["message"]
+    assert "{" not in settings["message"] and len(settings["message"]) < 400
     assert AWS_SECRET not in text
     assert API_TOKEN not in text
     assert "wrong-token" not in text
+
+
+async def test_a_failed_stage_is_one_warning_however_many_callers_wait_for_it(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    local_registry_adapter(tmp_path, "big-v1")
+    sidecar = await start_sidecar(make_settings(tmp_path, max_bytes=1024))
+    caplog.set_level(logging.INFO)
+
+    answers = await asyncio.gather(*(
+        call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "big-v1"}) for _ in range(3)))
+
+    assert [(status, body["error"]) for status, body in answers] == [(507, "cache_full")] * 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("stage failed adapter_id=big-v1")
 
 
 def test_text_is_the_default_and_settings_hide_a_password_in_a_url() -> None:
@@ -112,6 +142,19 @@ def test_text_is_the_default_and_settings_hide_a_password_in_a_url() -> None:
     shown = json.dumps(settings.describe())
     assert "minio-password" not in shown and API_TOKEN not in shown
     assert "http://minio:<hidden>@127.0.0.1:9000" in shown
+
+
+def test_the_settings_line_names_only_what_differs_from_the_defaults() -> None:
+    settings = Settings.from_values({
+        "registry": "s3://adapters/lora", "pin": "a,b", "compaction_window": "02:00-04:00",
+        "s3_endpoint_url": "http://minio:minio-password@127.0.0.1:9000", "api_token": API_TOKEN,
+    })
+
+    line = settings.changes()
+
+    assert line == ('registry=s3://adapters/lora s3_endpoint_url=http://minio:<hidden>@127.0.0.1'
+                    ':9000 pin=a,b compaction_window="02:00-04:00 UTC" api_token=<set>')
+    assert Settings.from_values({}).changes() == "all at their defaults"
 
 
 def test_json_lines_put_the_fields_of_a_state_change_beside_the_message() -> None:

@@ -4,7 +4,9 @@ moves by exactly what happened, and the cache gauges agree with the folders on d
 from __future__ import annotations
 
 import math
+import platform
 import shutil
+from importlib.metadata import version
 from pathlib import Path
 
 import aiohttp
@@ -100,6 +102,9 @@ async def test_histograms_span_1ms_to_10min_and_the_process_is_described(
     assert m.value("process_open_fds") > 0
     assert "python_info" in m.families
     assert "python_gc_objects_collected" in m.families
+    # Which build is running, as prometheus_client's Info renders it: a gauge at 1.
+    assert m.value("lora_sidecar_build_info", version=version("lora-sidecar"),
+                   python=platform.python_version()) == 1
     # Labels stay bounded: no family has a label carrying an adapter id.
     labels = {k for samples in m.families.values() for s in samples for k in s.labels}
     assert "adapter_id" not in labels

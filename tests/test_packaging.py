@@ -57,3 +57,22 @@ def test_an_editable_install_is_quiet_and_imports_the_checkout(tmp_path: Path) -
     _pip("install", "--no-cache-dir", "--target", str(target), "-e", str(source))
     (pth,) = target.glob("__editable__*.pth")
     assert Path(pth.read_text().strip()).resolve() == source.resolve()
+
+
+def test_the_sidecar_runs_without_the_packages_only_tests_and_the_client_need() -> None:
+    """`make run` installs the project's dependencies only: every module of sidecar/ imports
+    with tritonclient (compose/client.py's, in the `triton` and `test` extras) unavailable."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("tritonclient")]
+    script = (
+        "import importlib, pkgutil, sys\n"
+        "sys.modules['tritonclient'] = None  # any import of it raises ImportError\n"
+        "import sidecar\n"
+        "for module in pkgutil.walk_packages(sidecar.__path__, 'sidecar.'):\n"
+        "    importlib.import_module(module.name)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -1,15 +1,22 @@
-"""The README's error table against the code: every error code the API can answer is listed,
-with the status the API answers it with."""
+"""The README against the code: every error code the API can answer is in its error table with
+the status the API answers it with, and its quick start runs as written, in order."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from sidecar import errors
 from sidecar.web import api
+from tests.processes import free_port, http_status
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
 
 
 def readme_error_table() -> dict[str, set[int]]:
@@ -57,3 +64,72 @@ def test_every_error_code_of_the_api_is_in_the_readme_with_its_status() -> None:
 def test_the_readme_lists_no_code_the_api_cannot_answer() -> None:
     stale = sorted(set(readme_error_table()) - set(api_error_codes()))
     assert not stale, f"README's error table lists codes the API never answers: {stale}"
+
+
+# ---- the quick start, run as written ------------------------------------------------------
+
+
+def quick_start() -> tuple[list[str], dict[str, object]]:
+    """The `sh` blocks of "The two commands" after the first (make run / make test), each one
+    script, and the JSON answer it shows for the first curl."""
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## The two commands"):text.index("## How it fits together")]
+    blocks = re.findall(r"```(sh|json)\n(.*?)```", section, flags=re.DOTALL)
+    scripts = [body for kind, body in blocks if kind == "sh"][1:]
+    answer = json.loads(next(body for kind, body in blocks if kind == "json"))
+    return scripts, answer
+
+
+def make_run_recipe() -> list[str]:
+    """The commands of the Makefile's `run` target."""
+    lines = (REPO / "Makefile").read_text().splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("run:")))
+    recipe = []
+    for line in lines[start + 1:]:
+        if not line.startswith("\t"):
+            break
+        recipe.append(line.strip())
+    return recipe
+
+
+def test_the_quick_start_runs_in_order_as_written(tmp_path: Path) -> None:
+    """From `make run` (its recipe, in an empty folder, on a free port) through every command
+    of the README's quick start, in order: each one succeeds, and the first answer has the
+    fields the README shows."""
+    scripts, shown = quick_start()
+    bin_dir = str(Path(sys.executable).parent)
+    port = free_port()
+    env = {**os.environ, "LORA_SIDECAR_PORT": str(port),
+           "LORA_SIDECAR_URL": f"http://127.0.0.1:{port}"}
+    *setup, serve = [line.replace("$(BIN)", bin_dir) for line in make_run_recipe()]
+    for command in setup:
+        subprocess.run(["sh", "-c", command], cwd=tmp_path, env=env, check=True, timeout=60)
+    log = (tmp_path / "serve.log").open("wb")
+    process = subprocess.Popen(["sh", "-c", serve], cwd=tmp_path, env=env, stdout=log,
+                               stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while http_status(f"http://127.0.0.1:{port}/readyz") != 200:
+            assert process.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "serve.log").read_text()
+            time.sleep(0.1)
+        outputs = []
+        for script in scripts:
+            script = script.replace("localhost:8500", f"localhost:{port}").replace(
+                ".venv/bin/", f"{bin_dir}/")
+            done = subprocess.run(["sh", "-ec", script], cwd=tmp_path, env=env,
+                                  capture_output=True, text=True, timeout=120, check=False)
+            assert done.returncode == 0, (script, done.stdout, done.stderr)
+            outputs.append(done.stdout)
+    finally:
+        process.terminate()
+        process.wait(20)
+        log.close()
+    answer = json.loads(outputs[0])
+    assert set(answer) == set(shown)
+    for key in ("adapter_id", "size_bytes", "lora_name", "cached", "lease_id",
+                "lease_expires_at"):
+        assert answer[key] == shown[key], key
+    assert answer["local_path"] == str(tmp_path / ".lora-cache" / "adapters" /
+                                       "example-support-v1")
+    assert str(shown["content_digest"]).rstrip("…") in answer["content_digest"]

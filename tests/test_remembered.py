@@ -1,11 +1,13 @@
 """Answers the sidecar remembers instead of asking again: a refusal says that it is remembered
-and until when, and `evict` forgets it; an unknown id costs one registry listing per
+and until when, holds only for the files it judged (a new upload is judged afresh), and `evict`
+forgets it; an unknown id costs one registry listing per
 --not-found-ttl, not one per request; an unpinned pin stops holding readiness back."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
+from sidecar.cache.stager import RELIST_REFUSED_S
 from sidecar.examples import write_adapter
 from tests.conftest import (
     S3Registry,
@@ -23,6 +26,7 @@ from tests.conftest import (
     make_settings,
     s3_settings,
 )
+from tests.observing import eventually
 from tests.processes import SidecarProcess, stage_blocking
 
 
@@ -30,7 +34,7 @@ def unix_of(iso: str) -> float:
     return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
 
 
-async def test_a_remembered_refusal_says_so_and_evict_forgets_it(
+async def test_a_remembered_refusal_holds_for_the_same_files_and_a_new_upload_is_judged_afresh(
     tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
 ) -> None:
     folder = local_registry_adapter(tmp_path, "bad", rank=32)  # above --max-lora-rank 16
@@ -44,21 +48,46 @@ async def test_a_remembered_refusal_says_so_and_evict_forgets_it(
     assert before + 600 - 1 <= until <= time.time() + 600 + 1
     assert fresh["remembered_until"] in fresh["message"]
 
-    write_adapter(folder, rank=8)  # fixed in place in the registry
+    await asyncio.sleep(RELIST_REFUSED_S)  # past the re-check: the same files are listed
     status, again = await call(http, "POST", stage_url, {"adapter_id": "bad"})
     assert status == 422, again
     assert again["remembered"] is True
     assert again["remembered_until"] == fresh["remembered_until"]
     assert again["refused_at"] == fresh["refused_at"]
     assert "remembered" in again["message"] and fresh["remembered_until"] in again["message"]
-    assert "lora-sidecar evict bad" in again["message"]
+    assert "a new upload of the adapter is judged afresh" in again["message"]
     assert again["problems"] == fresh["problems"]
+    downloads = sidecar.metrics.registry.get_sample_value("lora_sidecar_download_bytes_total")
+
+    shutil.rmtree(folder)
+    write_adapter(folder, rank=8)  # fixed in the registry: nothing else to do
+    fixed_at = time.monotonic()
+
+    async def staged() -> dict[str, object] | None:
+        status, body = await call(http, "POST", stage_url, {"adapter_id": "bad", "lease": False})
+        return body if status == 200 else None
+
+    body = await eventually(staged, timeout_s=10, what="the fixed upload is staged")
+    assert body["cached"] is False
+    assert time.monotonic() - fixed_at < RELIST_REFUSED_S + 2
+    # The remembered verdict cost no download of the same files.
+    assert downloads == sidecar.metrics.registry.get_sample_value(
+        "lora_sidecar_download_bytes_total") - body["size_bytes"]
+
+
+async def test_evict_forgets_a_remembered_refusal(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    local_registry_adapter(tmp_path, "bad", rank=32)
+    sidecar = await start_sidecar(make_settings(tmp_path, refusal_ttl_s=600.0))
+    status, fresh = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "bad"})
+    assert status == 422 and fresh["remembered"] is False
 
     status, forgot = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "bad"})
     assert status == 200, forgot
     assert forgot["forgot_refusal"] is True and forgot["freed_bytes"] == 0
-    status, staged = await call(http, "POST", stage_url, {"adapter_id": "bad", "lease": False})
-    assert status == 200 and staged["cached"] is False, staged
+    status, judged = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "bad"})
+    assert status == 422 and judged["remembered"] is False  # judged afresh at once
     status, nothing = await call(http, "POST", f"{sidecar.url}/evict",
                                  {"adapter_id": "never-asked"})
     assert status == 404 and nothing["error"] == "not_cached"

@@ -135,7 +135,7 @@ async def test_the_read_only_listener_serves_metrics_and_probes_and_nothing_else
     sidecar = await start_sidecar(make_settings(tmp_path, metrics_host="127.0.0.2",
                                                 metrics_port=0, epp_metrics=True))
     metrics_url = f"http://127.0.0.2:{sidecar.metrics_port}"
-    await sidecar.catalog.sync()  # ready once the first catalog is rendered
+    await sidecar.reloads.sync()  # ready once the first catalog is rendered
 
     answers = {path: (await call(http, "GET", metrics_url + path))[0]
                for path in ("/metrics", "/metrics/epp", "/healthz", "/readyz", "/adapters",

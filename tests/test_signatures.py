@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+import model_signing
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -32,6 +33,7 @@ from tests.signing_keys import (
     sign_with_certificate,
     sign_with_key,
     write_policy,
+    write_sha256sums,
 )
 
 WEIGHTS = "adapter_model.safetensors"
@@ -139,27 +141,57 @@ def test_one_byte_of_the_weights_changed_after_signing_is_refused(
     assert verdict.problems[0].file == WEIGHTS
 
 
-def test_a_file_added_after_signing_is_refused_as_unsigned(
+def test_a_file_the_sidecar_publishes_added_after_signing_is_refused_as_unsigned(
     tmp_path: Path, key: KeyPair, signed: Path
 ) -> None:
-    (signed / "README.md").write_text("added later\n")
+    write_sha256sums(signed)
 
     verdict = verify(signed, load(key_policy(tmp_path, key)))
 
     assert codes(verdict) == ["unsigned_file"]
-    assert verdict.problems[0].file == "README.md"
+    assert verdict.problems[0].file == "SHA256SUMS"
 
 
-def test_a_file_removed_after_signing_is_refused(tmp_path: Path, key: KeyPair) -> None:
+def test_a_file_the_sidecar_publishes_removed_after_signing_is_refused(
+    tmp_path: Path, key: KeyPair
+) -> None:
     folder = tmp_path / "adapters" / "acme-support-v2"
     write_adapter(folder)
-    (folder / "README.md").write_text("signed, then removed\n")
+    write_sha256sums(folder)
     sign_with_key(folder, key)
-    (folder / "README.md").unlink()
+    (folder / "SHA256SUMS").unlink()
 
     verdict = verify(folder, load(key_policy(tmp_path, key)))
 
     assert codes(verdict) == ["signed_file_missing"]
+
+
+def test_files_the_sidecar_never_publishes_are_outside_the_statement(
+    tmp_path: Path, key: KeyPair
+) -> None:
+    # What PEFT or `hf download` leave beside an adapter is neither fetched nor published: a
+    # statement need not list it, and one that does (model_signing signs the whole folder)
+    # still verifies when it is gone.
+    folder = tmp_path / "adapters" / "acme-support-v3"
+    write_adapter(folder)
+    (folder / "README.md").write_text("model card\n")
+    sign_with_key(folder, key)
+    (folder / "training_args.bin").write_bytes(b"added later, never fetched")
+    bundle = json.loads((folder / "model.sig").read_text())
+    statement = json.loads(base64.b64decode(bundle["dsseEnvelope"]["payload"]))
+    whole = tmp_path / "adapters" / "acme-support-v4"
+    write_adapter(whole, seed=2)
+    (whole / "README.md").write_text("model card\n")
+    model_signing.signing.Config().use_elliptic_key_signer(private_key=key.private) \
+        .set_hashing_config(model_signing.hashing.Config().set_ignored_paths(
+            paths=["model.sig"])).sign(whole, whole / "model.sig")
+    (whole / "README.md").unlink()
+    policy = load(key_policy(tmp_path, key))
+
+    assert sorted(r["name"] for r in statement["predicate"]["resources"]) == [
+        "adapter_config.json", WEIGHTS]
+    assert verify(folder, policy).outcome == "verified"
+    assert verify(whole, policy).outcome == "verified"
 
 
 def test_the_signature_of_another_adapters_files_is_refused_as_such(
@@ -244,7 +276,7 @@ def test_unsigned_is_refused_under_require_and_served_under_verify_if_present(
 def test_verify_if_present_still_refuses_a_bad_signature(
     tmp_path: Path, key: KeyPair, signed: Path
 ) -> None:
-    (signed / "README.md").write_text("added later\n")
+    write_sha256sums(signed)
 
     verdict = verify(signed, load(key_policy(tmp_path, key, mode="verify-if-present")))
 
@@ -450,7 +482,7 @@ def test_check_signature_before_download_compares_only_the_list_of_files(
     policy = load(key_policy(tmp_path, key))
 
     verdict = check_signature(policy.rule_for("acme-support-v1"), "acme-support-v1",
-                              signed / "model.sig", {"adapter_config.json", WEIGHTS, "LICENSE"})
+                              signed / "model.sig", {"adapter_config.json", WEIGHTS, "SHA256SUMS"})
 
     assert codes(verdict) == ["unsigned_file"]
 
@@ -458,8 +490,6 @@ def test_check_signature_before_download_compares_only_the_list_of_files(
 def test_signatures_go_both_ways_between_model_signing_and_the_sidecar(
     tmp_path: Path, key: KeyPair, signed: Path
 ) -> None:
-    import model_signing
-
     # The sidecar's signature, verified by model_signing's own public API (it hashes the
     # folder itself).
     model_signing.verifying.Config().use_elliptic_key_verifier(public_key=key.public).verify(

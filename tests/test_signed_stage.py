@@ -6,6 +6,7 @@ copied in and a restart under a changed policy are judged by the same rules."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import shutil
@@ -16,6 +17,7 @@ import aiohttp
 import pytest
 
 from sidecar.app import Sidecar
+from sidecar.cache.stager import RELIST_REFUSED_S
 from sidecar.examples import write_adapter
 from tests.conftest import S3Registry, StartSidecar, call, make_settings, s3_settings, stage_ok
 from tests.observing import eventually
@@ -27,6 +29,7 @@ from tests.signing_keys import (
     sign_with_certificate,
     sign_with_key,
     write_policy,
+    write_sha256sums,
 )
 
 WEIGHTS = "adapter_model.safetensors"
@@ -124,14 +127,14 @@ def _one_byte(tmp_path: Path, key: KeyPair, ca: CertificateAuthority,
 
 def _added_file(tmp_path: Path, key: KeyPair, ca: CertificateAuthority,
             folder: Path) -> None:
-    (folder / "README.md").write_text("added after signing\n")
+    write_sha256sums(folder)  # a file the sidecar publishes
 
 
 def _removed_file(tmp_path: Path, key: KeyPair, ca: CertificateAuthority,
             folder: Path) -> None:
-    (folder / "LICENSE").write_text("signed, then left out of the upload\n")
+    write_sha256sums(folder)
     sign_with_key(folder, key)
-    (folder / "LICENSE").unlink()
+    (folder / "SHA256SUMS").unlink()  # signed, then left out of the upload
 
 
 def _other_adapters_signature(tmp_path: Path, key: KeyPair, ca: CertificateAuthority,
@@ -217,6 +220,7 @@ async def test_a_signature_refusal_is_remembered_for_those_bytes_only(
 
     sign_with_key(folder, key)  # the publisher signs again, with the right key
     s3.put_folder("acme-support-v1", folder)
+    await asyncio.sleep(RELIST_REFUSED_S)  # how long a refusal is answered without a listing
     served = await stage_ok(http, sidecar, "acme-support-v1")
 
     assert served["signer"] == "publisher"

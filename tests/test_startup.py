@@ -64,6 +64,31 @@ def test_every_problem_is_listed_at_once_with_the_missing_registry(tmp_path: Pat
     assert [p.split()[1] for p in problems] == ["--max-bytes", "--lease-ttl", "--registry"]
 
 
+def test_a_port_in_use_names_the_setting_to_change_and_leaves_no_cache_behind(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "registry").mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flag, variable, extra in (("--port", "LORA_SIDECAR_PORT", []),
+                                      ("--metrics-port", "LORA_SIDECAR_METRICS_PORT",
+                                       ["--metrics-host", "127.0.0.1"])):
+            listen = (["--port", str(port)] if flag == "--port"
+                      else ["--metrics-port", str(port), *extra])
+            result = serve("--registry", str(tmp_path / "registry"),
+                           "--cache-root", str(tmp_path / "cache"), *listen)
+
+            assert result.returncode == 1, result.stderr
+            assert (f"cannot start: port {port} on 127.0.0.1 is already in use (another "
+                    "lora-sidecar, or another program): stop it, or choose another port with "
+                    f"{flag} ({variable})") in result.stderr
+            assert "Errno" not in result.stderr
+            # The cache root was made for the lock only: it goes again, .lock and all.
+            assert not (tmp_path / "cache").exists()
+
+
 def test_a_registry_path_that_is_a_file_stops_the_start(tmp_path: Path) -> None:
     (tmp_path / "registry").write_text("not a folder")
     result = serve("--registry", str(tmp_path / "registry"),

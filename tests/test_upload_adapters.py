@@ -118,17 +118,17 @@ def test_upload_refuses_an_adapter_the_sidecar_would_refuse_with_every_reason(
 ) -> None:
     adapters = tmp_path / "adapters"
     write_adapter(adapters / "rank-32-v1", rank=32)
-    (adapters / "rank-32-v1" / "adapter_model.bin").write_bytes(b"pickle")
+    (adapters / "rank-32-v1" / "new_embeddings.bin").write_bytes(b"pickle")
 
     result = _upload(bucket.registry, bucket.endpoint_url, adapters)
     assert result.returncode == 1
     refusal = result.stdout.splitlines()[-1]
     assert refusal.startswith("refused rank-32-v1: not a valid adapter: 2 problem(s):")
-    assert "rank_too_large" in refusal and "forbidden_file adapter_model.bin" in refusal
+    assert "rank_too_large" in refusal and "forbidden_file new_embeddings.bin" in refusal
     assert bucket.objects() == {}
 
     # The same rules as the sidecar's, from the same variables.
-    (adapters / "rank-32-v1" / "adapter_model.bin").unlink()
+    (adapters / "rank-32-v1" / "new_embeddings.bin").unlink()
     raised = _upload(bucket.registry, bucket.endpoint_url, adapters,
                      env={"LORA_SIDECAR_MAX_LORA_RANK": "32"})
     assert raised.returncode == 0, raised.stdout + raised.stderr

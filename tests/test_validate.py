@@ -23,18 +23,19 @@ from sidecar.__main__ import main
 from sidecar.config import Settings
 from sidecar.errors import ConfigError
 from sidecar.examples import tensor_name, write_adapter
+from sidecar.fsutil import EntryKind
+from sidecar.validation.files import FileRole, classify, plan_files
 from sidecar.validation.safetensors_check import check_safetensors
 from sidecar.validation.shapes import ATTENTION_MODULES, MLP_MODULES, TINY_LLAMA
 from sidecar.validation.validate import (
     MAX_PROBLEMS_PER_CODE,
     Problem,
     Rules,
-    check_file_name,
     run_validate,
     summarize,
     validate_adapter,
 )
-from tests.broken_adapters import CORPUS, WEIGHTS, BrokenAdapter, edit_config, write_parts
+from tests.broken_adapters import CONFIG, CORPUS, WEIGHTS, BrokenAdapter, edit_config, write_parts
 
 ALL_LINEAR = ATTENTION_MODULES + MLP_MODULES
 
@@ -94,7 +95,7 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
     folder = tmp_path / "a"
     write_adapter(folder, rank=32)
     edit_config(folder, use_dora=True)
-    (folder / "adapter_model.bin").write_bytes(b"pickle")
+    (folder / "new_embeddings.bin").write_bytes(b"pickle")
     with (folder / WEIGHTS).open("ab") as f:
         f.write(b"tail")
 
@@ -104,7 +105,7 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
         "rank_too_large", "dora_not_supported", "forbidden_file", "safetensors_length_mismatch",
     }  # fmt: skip
     by_code = {p.code: p for p in problems}
-    assert by_code["forbidden_file"].file == "adapter_model.bin"
+    assert by_code["forbidden_file"].file == "new_embeddings.bin"
     assert by_code["rank_too_large"].file == "adapter_config.json"
     assert by_code["safetensors_length_mismatch"].file == WEIGHTS
 
@@ -115,7 +116,9 @@ def test_messages_quote_vllm_where_it_has_one(tmp_path: Path) -> None:
     problems = validate_adapter(tmp_path / "a", Rules(allowed_target_modules=frozenset({"q_proj"})))
 
     messages = {p.message for p in problems}
-    assert "LoRA rank 32 is greater than max_lora_rank 16." in messages
+    assert any(m.startswith("LoRA rank 32 is greater than max_lora_rank 16.") for m in messages)
+    assert any("--max-lora-rank (LORA_SIDECAR_MAX_LORA_RANK), which must equal the engine's "
+               "max_lora_rank" in m for m in messages)
     assert (
         f"While loading {tmp_path / 'a'}, expected target modules in ['q_proj'] but received "
         "['v_proj']. Please verify that the loaded LoRA module is correct." in messages
@@ -123,34 +126,77 @@ def test_messages_quote_vllm_where_it_has_one(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "code"),
+    ("path", "role"),
     [
-        ("adapter_config.json", None),
-        ("adapter_model.safetensors", None),
-        ("README.md", None),
-        ("SHA256SUMS", None),
-        ("adapter_model.bin", "forbidden_file"),
-        ("optimizer.pt", "forbidden_file"),
-        ("rng_state.pth", "forbidden_file"),
-        ("scheduler.PKL", "forbidden_file"),
-        ("last.ckpt", "forbidden_file"),
-        ("modeling_custom.py", "forbidden_file"),
-        ("tokenizer.json", "forbidden_file"),
-        ("new_embeddings.safetensors", "forbidden_file"),
-        ("training_args.json", "unexpected_file"),
-        ("Adapter_Config.json", "unexpected_file"),
-        ("", "nested_path"),
-        ("..", "nested_path"),
-        ("checkpoint-100/adapter_model.safetensors", "nested_path"),
-        ("..\\adapter_config.json", "nested_path"),
+        ("adapter_config.json", FileRole.FETCHED),
+        ("adapter_model.safetensors", FileRole.FETCHED),
+        ("SHA256SUMS", FileRole.FETCHED),
+        ("adapter_model.bin", FileRole.PICKLE_WEIGHTS),
+        ("adapter_model.pt", FileRole.PICKLE_WEIGHTS),
+        ("new_embeddings.safetensors", FileRole.REFUSED),
+        ("new_embeddings.bin", FileRole.REFUSED),
+        # What PEFT, Trainer and `hf download --local-dir` leave beside an adapter.
+        ("README.md", FileRole.IGNORED),
+        ("LICENSE", FileRole.IGNORED),
+        (".gitattributes", FileRole.IGNORED),
+        ("training_args.bin", FileRole.IGNORED),
+        ("optimizer.pt", FileRole.IGNORED),
+        ("rng_state.pth", FileRole.IGNORED),
+        ("tokenizer.json", FileRole.IGNORED),
+        ("tokenizer_config.json", FileRole.IGNORED),
+        ("special_tokens_map.json", FileRole.IGNORED),
+        ("modeling_custom.py", FileRole.IGNORED),
+        ("Adapter_Config.json", FileRole.IGNORED),
+        (".sidecar.json", FileRole.IGNORED),
+        (".cache/huggingface/download/adapter_model.safetensors.metadata", FileRole.IGNORED),
+        ("checkpoint-100/adapter_model.safetensors", FileRole.IGNORED),
+        # Paths that would leave the folder, or alias one of its entries.
+        ("", FileRole.REFUSED),
+        ("..", FileRole.REFUSED),
+        ("../adapter_config.json", FileRole.REFUSED),
+        ("/etc/passwd", FileRole.REFUSED),
+        ("./adapter_config.json", FileRole.REFUSED),
+        ("a//b", FileRole.REFUSED),
+        ("..\\adapter_config.json", FileRole.REFUSED),
     ],
 )
-def test_file_names_are_checked_before_download(name: str, code: str | None) -> None:
-    problem = check_file_name(name)
+def test_each_entry_has_one_role_by_its_name(path: str, role: FileRole) -> None:
+    assert classify(path) is role
 
-    assert (problem.code if problem else None) == code
-    if problem is not None:
-        assert problem.file == name
+
+def test_pickle_weights_are_ignored_beside_safetensors_and_refused_alone() -> None:
+    beside = plan_files([(CONFIG, EntryKind.FILE), (WEIGHTS, EntryKind.FILE),
+                         ("adapter_model.bin", EntryKind.FILE)])
+    alone = plan_files([(CONFIG, EntryKind.FILE), ("adapter_model.bin", EntryKind.FILE)])
+
+    assert (beside.fetched, beside.ignored, beside.problems) == (
+        (CONFIG, WEIGHTS), ("adapter_model.bin",), ())
+    assert alone.fetched == (CONFIG,)
+    assert [(p.code, p.file) for p in alone.problems] == [("forbidden_file", "adapter_model.bin")]
+    assert "safe_serialization" in alone.problems[0].message
+
+
+def test_a_plan_names_sub_folders_once_and_points_at_an_adapter_one_level_down() -> None:
+    plan = plan_files([("README.md", EntryKind.FILE),
+                       ("checkpoint-500/adapter_config.json", EntryKind.FILE),
+                       ("checkpoint-500/adapter_model.safetensors", EntryKind.FILE),
+                       ("checkpoint-500/optimizer.pt", EntryKind.FILE),
+                       (".cache", EntryKind.FOLDER)])
+
+    assert plan.fetched == ()
+    assert plan.ignored == (".cache/", "README.md", "checkpoint-500/")
+    assert [(p.code, p.file) for p in plan.problems] == [("missing_file", CONFIG),
+                                                         ("missing_file", WEIGHTS)]
+    assert "checkpoint-500/adapter_config.json is one level down" in plan.problems[0].message
+
+
+def test_an_engine_file_that_is_not_a_plain_file_is_refused() -> None:
+    plan = plan_files([(CONFIG, EntryKind.LINK), (WEIGHTS, EntryKind.FOLDER),
+                       ("README.md", EntryKind.LINK)])
+
+    assert {(p.code, p.file) for p in plan.problems} == {("symlink", CONFIG),
+                                                         ("not_regular_file", WEIGHTS)}
+    assert plan.ignored == ("README.md",)
 
 
 def test_a_200mb_header_claim_is_refused_without_reading_it(tmp_path: Path) -> None:
@@ -351,7 +397,7 @@ def test_checksums_file_is_checked_with_given_digests(tmp_path: Path) -> None:
     "content",
     [
         b"not a checksum line\n",
-        b"a" * 64 + b"  adapter_model.bin\n",
+        b"a" * 64 + b"  ../adapter_config.json\n",
         b"a" * 64 + b"  SHA256SUMS\n",
         b"\xff\xfe not text",
     ],
@@ -382,13 +428,14 @@ def test_folder_problems_are_reported_not_raised(tmp_path: Path) -> None:
 def test_special_files_and_hard_links_are_refused(tmp_path: Path) -> None:
     folder = tmp_path / "a"
     write_adapter(folder)
-    os.mkfifo(folder / "README")
+    os.mkfifo(folder / "SHA256SUMS")
+    os.mkfifo(folder / "README")  # never read: ignored
     os.link(folder / "adapter_config.json", tmp_path / "elsewhere.json")
 
     problems = validate_adapter(folder, Rules())
 
     assert {(p.code, p.file) for p in problems} == {
-        ("not_regular_file", "README"),
+        ("not_regular_file", "SHA256SUMS"),
         ("hard_link", "adapter_config.json"),
     }
 
@@ -479,7 +526,8 @@ def test_rules_come_from_settings(tmp_path: Path) -> None:
 def test_run_validate_prints_a_verdict_and_returns_an_exit_code(tmp_path: Path) -> None:
     write_adapter(tmp_path / "good")
     write_adapter(tmp_path / "bad", rank=32)
-    (tmp_path / "bad" / "x.pt").write_bytes(b"")
+    (tmp_path / "bad" / "new_embeddings.bin").write_bytes(b"")
+    (tmp_path / "bad" / "training_args.bin").write_bytes(b"")
 
     out = io.StringIO()
     assert run_validate(tmp_path / "good", Rules(), as_json=False, out=out) == 0
@@ -487,17 +535,24 @@ def test_run_validate_prints_a_verdict_and_returns_an_exit_code(tmp_path: Path) 
 
     out = io.StringIO()
     assert run_validate(tmp_path / "bad", Rules(), as_json=False, out=out) == 1
-    assert out.getvalue().splitlines() == [
-        "forbidden_file  x.pt: pickle-based weights can run code when loaded; only "
-        "adapter_model.safetensors is accepted",
-        "rank_too_large  adapter_config.json: LoRA rank 32 is greater than max_lora_rank 16.",
+    lines = out.getvalue().splitlines()
+    assert [line.split(":", 1)[0] for line in lines] == [
+        "forbidden_file  new_embeddings.bin",
+        "rank_too_large  adapter_config.json",
+        "note  1 entries the engine never reads are left out (never fetched or published)",
     ]
+    assert lines[1].startswith("rank_too_large  adapter_config.json: LoRA rank 32 is greater "
+                               "than max_lora_rank 16. The limit is the sidecar's "
+                               "--max-lora-rank (LORA_SIDECAR_MAX_LORA_RANK), which must "
+                               "equal the engine's max_lora_rank")
+    assert lines[2].endswith(": training_args.bin")
 
     out = io.StringIO()
     assert run_validate(tmp_path / "bad", Rules(), as_json=True, out=out) == 1
     verdict = json.loads(out.getvalue())
     assert verdict["path"] == str(tmp_path / "bad") and verdict["valid"] is False
     assert {p["code"] for p in verdict["problems"]} == {"rank_too_large", "forbidden_file"}
+    assert verdict["ignored"] == ["training_args.bin"]
 
 
 
@@ -548,7 +603,7 @@ def test_validate_command_passes_a_valid_adapter(tmp_path: Path) -> None:
 
 def test_validate_command_lists_every_problem_and_fails(tmp_path: Path) -> None:
     next(c for c in CORPUS if c.name == "rank_above_limit").write(tmp_path / "a")
-    (tmp_path / "a" / "optimizer.pt").write_bytes(b"")
+    (tmp_path / "a" / "new_embeddings.safetensors").write_bytes(b"")
 
     done = run_command(str(tmp_path / "a"), "--allowed-target-modules", "q_proj")
 
@@ -562,7 +617,9 @@ def test_validate_command_lists_every_problem_and_fails(tmp_path: Path) -> None:
     assert verdict == {
         "path": str(tmp_path / "a"),
         "valid": False,
-        "problems": [{"code": "forbidden_file", "file": "optimizer.pt", "message": ANY}],
+        "problems": [{"code": "forbidden_file", "file": "new_embeddings.safetensors",
+                      "message": ANY}],
+        "ignored": [],
     }
 
 

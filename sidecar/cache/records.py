@@ -19,9 +19,9 @@ from ..filehash import hash_file
 from ..fsutil import fsync_dir, iso_utc
 from ..ids import is_valid_adapter_id
 from ..logs import fields
+from ..validation.files import SIGNATURE_FILE
 from ..validation.signatures import SignatureVerdict
 from ..validation.signing_policy import SignatureMode
-from ..validation.validate import SIGNATURE_FILE
 
 log = logging.getLogger(__name__)
 

@@ -5,6 +5,7 @@ caller of that id awaits the same task, and leases the adapter once it is publis
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
 import time
@@ -23,11 +24,13 @@ from ..errors import (
     SidecarError,
     StageTimeout,
 )
-from ..fsutil import fsync_dir, iso_utc, remove_tree
+from ..fsutil import EntryKind, fsync_dir, iso_utc, remove_tree
 from ..ids import is_valid_adapter_id
 from ..logs import fields
 from ..metrics import Metrics
 from ..registry.base import AdapterSource, FetchedFile, Listing, RemoteFile
+from ..validation.files import CHECKSUMS_FILE, SIGNATURE_FILE, WEIGHTS_FILE, plan_files
+from ..validation.problem import Problem
 from ..validation.signatures import (
     SIGNATURE_CODES,
     SignatureVerdict,
@@ -36,45 +39,34 @@ from ..validation.signatures import (
     published_names,
 )
 from ..validation.signing_policy import SignatureMode
-from ..validation.validate import (
-    CHECKSUMS_FILE,
-    SIGNATURE_FILE,
-    WEIGHTS_FILE,
-    Problem,
-    Rules,
-    check_file_name,
-    validate_adapter,
-)
+from ..validation.validate import Rules, validate_adapter
 from ..validation.values import ValueReport, ValueScan, finish_scan
 from .leases import Lease
 from .lru import CachedAdapter
-from .records import (
-    RECORD_NAME,
-    AdapterRecord,
-    Check,
-    FileRecord,
-    SignatureRecord,
-    write_record,
-)
+from .records import AdapterRecord, Check, FileRecord, SignatureRecord, write_record
 from .store import AdapterStore
 
 log = logging.getLogger(__name__)
 
 FETCH_ATTEMPTS = 3  # downloads of a file whose bytes did not arrive intact, the first included
 NOT_FOUND_MAX = 10_000  # ids remembered as not in the registry
+# A remembered refusal holds for the bytes it judged: the registry is listed again at most this
+# often while callers keep asking, and a changed listing (an upload finished, a fixed one) is
+# judged afresh at once.
+RELIST_REFUSED_S = 1.0
+SETTLE_STEP_S = 0.25  # past the settle time before listing again
+SETTLE_LISTINGS_MAX = 30  # an upload that never stops landing is staged as it is then
 
 
 _Fetched = dict[str, tuple[FetchedFile, ValueReport | None]]
-_BytesKey = frozenset[tuple[str, int, str]]  # (name, size, etag) of every file listed
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Refusal:
-    until: float  # monotonic seconds
+    until: float  # monotonic: --refusal-ttl
     error: InvalidAdapter
-    # A signature verdict holds for the bytes judged, not the id: set, it is answered again
-    # only while the registry lists these very files (a fixed model.sig is judged afresh).
-    bytes_key: _BytesKey | None = None
+    listing: tuple[object, ...]  # what the registry listed when it was judged
+    checked: float  # monotonic: when the listing was last seen unchanged
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +97,7 @@ class Stager:
         *,
         refusal_ttl_s: float,
         not_found_ttl_s: float = 0.0,
+        upload_settle_s: float = 0.0,
         on_source_result: Callable[[SidecarError | None], None] = lambda _: None,
     ) -> None:
         self._store = store
@@ -113,6 +106,7 @@ class Stager:
         self._metrics = metrics
         self._refusal_ttl_s = refusal_ttl_s
         self._not_found_ttl_s = not_found_ttl_s
+        self._upload_settle_s = upload_settle_s
         self._on_source_result = on_source_result
         self._inflight: dict[str, asyncio.Task[None]] = {}
         # Verdicts answered again without a fetch until they expire (monotonic seconds): a
@@ -206,25 +200,18 @@ class Stager:
     def _raise_if_remembered(self, adapter_id: str) -> None:
         now = time.monotonic()
         refused = self._refused.get(adapter_id)
-        if refused is not None and refused.bytes_key is None:
-            if now < refused.until:
+        if refused is not None:
+            if now >= refused.until:
+                del self._refused[adapter_id]
+            elif now - refused.checked < RELIST_REFUSED_S:
                 raise refused.error.recalled()
-            del self._refused[adapter_id]
+            # Else the stage lists the registry again: the same listing answers the verdict
+            # from memory, another one is judged afresh.
         missing = self._not_found.get(adapter_id)
         if missing is not None:
             if now < missing[0]:
                 raise missing[1]
             del self._not_found[adapter_id]
-
-    def _raise_if_refused_bytes(self, adapter_id: str, listing: Listing) -> None:
-        """A remembered signature refusal, answered again if the registry lists the same
-        files; new bytes (a fixed signature, a re-upload) are judged afresh."""
-        refused = self._refused.get(adapter_id)
-        if refused is None or refused.bytes_key is None:
-            return
-        if time.monotonic() < refused.until and refused.bytes_key == _bytes_key(listing):
-            raise refused.error.recalled()
-        del self._refused[adapter_id]
 
     def forget(self, adapter_id: str) -> bool:
         """Drop a remembered refusal (and "not found") so the next stage looks afresh; the
@@ -251,8 +238,21 @@ class Stager:
             adapter_id=error.adapter_id)
         self._not_found[error.adapter_id] = (now + self._not_found_ttl_s, remembered)
 
+    def _recall(self, adapter_id: str, listing: Listing) -> None:
+        """Answer a remembered refusal if the registry still lists the bytes it judged."""
+        refused = self._refused.get(adapter_id)
+        if refused is None:
+            return
+        if refused.listing == listing.upload:
+            refused.checked = time.monotonic()
+            raise refused.error.recalled()
+        del self._refused[adapter_id]
+        log.info("adapter_id=%s changed in the registry since it was refused; judging it "
+                 "afresh", adapter_id, extra=fields(event="refusal_outdated",
+                                                     adapter_id=adapter_id))
+
     def _refuse(self, adapter_id: str, problems: list[Problem],
-                listing: Listing | None = None) -> InvalidAdapter:
+                listing: Listing) -> InvalidAdapter:
         for code in sorted({p.code for p in problems}):
             self._metrics.validation_failures.labels(reason=code).inc()
         refused_at = time.time()
@@ -260,10 +260,10 @@ class Stager:
         error = InvalidAdapter(adapter_id, [p.to_json() for p in problems],
                                refused_at=iso_utc(refused_at), remembered_until=until)
         if self._refusal_ttl_s > 0:
-            signature = listing is not None and any(p.code in SIGNATURE_CODES for p in problems)
-            self._refused[adapter_id] = _Refusal(
-                time.monotonic() + self._refusal_ttl_s, error,
-                _bytes_key(listing) if signature and listing is not None else None)
+            now = time.monotonic()
+            self._refused[adapter_id] = _Refusal(now + self._refusal_ttl_s, error,
+                                                 listing.upload, now)
+        error.logged = True
         log.warning("refused adapter_id=%s problems=%d: %s", adapter_id, len(problems),
                     "; ".join(f"{p.code} {p.file}" for p in problems),
                     extra=fields(event="refused", adapter_id=adapter_id,
@@ -277,14 +277,11 @@ class Stager:
         staging: Path | None = None
         reservation = None
         try:
-            listing = await self._list(adapter_id)
-            self._raise_if_refused_bytes(adapter_id, listing)
+            listing = await self._settled(adapter_id, await self._list(adapter_id))
             size_bytes = sum(f.size_bytes for f in listing.files)
             reservation = self._store.reserve(adapter_id, size_bytes)
             # Room made by evicting is on disk only once the evicted folders are deleted.
-            trash = self._store.take_trash()
-            if trash:
-                await asyncio.to_thread(_remove_all, trash)
+            await self._store.settle_trash()
             staging = await asyncio.to_thread(self._store.new_staging_dir, adapter_id)
             verdict, got = await self._check_signature(adapter_id, listing, staging)
             fetched, problems = await self._fetch_and_validate(adapter_id, listing, staging,
@@ -330,6 +327,23 @@ class Stager:
             if staging is not None:
                 await asyncio.to_thread(remove_tree, staging)
 
+    async def _settled(self, adapter_id: str, listing: Listing) -> Listing:
+        """The listing once its newest file has been quiet for --upload-settle: files of one
+        upload landing a moment apart are fetched together, never half old and half new."""
+        for _ in range(SETTLE_LISTINGS_MAX):
+            quiet_s = listing.quiet_s()
+            # S3 gives times to the second: an age of exactly the settle time may be less.
+            if quiet_s is None or quiet_s > self._upload_settle_s or self._upload_settle_s <= 0:
+                return listing
+            wait_s = self._upload_settle_s - max(quiet_s, 0.0) + SETTLE_STEP_S
+            log.info("adapter_id=%s: a file landed in the registry %.1fs ago; staging once the "
+                     "upload has been quiet for %gs", adapter_id, max(quiet_s, 0.0),
+                     self._upload_settle_s, extra=fields(event="upload_settling",
+                                                         adapter_id=adapter_id))
+            await asyncio.sleep(min(wait_s, self._upload_settle_s + 1.0))
+            listing = await self._list(adapter_id)
+        return listing
+
     async def _list(self, adapter_id: str) -> Listing:
         try:
             listing = await self._source.list_files(adapter_id)
@@ -339,21 +353,22 @@ class Stager:
                 self._remember_not_found(exc)
             raise
         self._on_source_result(None)
-        problems = [
-            Problem("unsafe_path", name, f"registry entry {name!r} would leave the adapter "
-                    "folder (nested folder, '..', absolute path, backslash or link)")
-            for name in listing.unsafe_names
-        ]
-        problems += [p for f in listing.files if (p := check_file_name(f.name)) is not None]
-        if any(f.name == RECORD_NAME for f in listing.files):
-            # A record copied back into the registry describes some other cache; ours is
-            # written after validation and is the only one a published folder may carry.
-            log.info("ignoring %s in the registry for adapter_id=%s", RECORD_NAME, adapter_id)
-            listing = Listing([f for f in listing.files if f.name != RECORD_NAME],
-                              listing.unsafe_names)
-        if problems:
-            raise self._refuse(adapter_id, problems)
-        return listing
+        # The whole upload as listed: a remembered refusal holds for exactly it.
+        listing = dataclasses.replace(listing, upload=listing.signature())
+        self._recall(adapter_id, listing)
+        plan = plan_files([(f.name, EntryKind.FILE) for f in listing.files]
+                          + [(entry.path, entry.kind) for entry in listing.others])
+        if plan.problems:
+            raise self._refuse(adapter_id, list(plan.problems), listing)
+        if plan.ignored:
+            log.info("adapter_id=%s: leaving out %d registry entries the engine never reads "
+                     "(never downloaded or published): %s", adapter_id, len(plan.ignored),
+                     plan.ignored_text(), extra=fields(event="entries_ignored",
+                                                       adapter_id=adapter_id,
+                                                       ignored=list(plan.ignored)))
+        fetched = set(plan.fetched)
+        return dataclasses.replace(listing, files=[f for f in listing.files if f.name in fetched],
+                                   others=[])
 
     async def _check_signature(self, adapter_id: str, listing: Listing,
                                staging: Path) -> tuple[SignatureVerdict, _Fetched]:
@@ -511,11 +526,6 @@ def _unlink_all(paths: list[Path]) -> None:
         path.unlink(missing_ok=True)
 
 
-def _remove_all(folders: list[Path]) -> None:
-    for folder in folders:
-        remove_tree(folder)
-
-
 def _checks_passed(listing: Listing, fetched: list[FetchedFile],
                    verdict: SignatureVerdict) -> tuple[str, ...]:
     checks = [Check.RULES, Check.VALUES]
@@ -526,10 +536,6 @@ def _checks_passed(listing: Listing, fetched: list[FetchedFile],
     if verdict.signed is not None:
         checks.append(Check.SIGNATURE)
     return tuple(checks)
-
-
-def _bytes_key(listing: Listing) -> _BytesKey:
-    return frozenset((f.name, f.size_bytes, f.etag) for f in listing.files)
 
 
 def _seal(staging: Path, record: AdapterRecord) -> AdapterRecord:
@@ -547,6 +553,7 @@ def _log_failure(adapter_id: str, error: SidecarError, elapsed_s: float) -> None
             error.code, error.message,
             extra=fields(event="stage_failed", adapter_id=adapter_id, error=error.code,
                          duration_s=round(elapsed_s, 3)))
+    error.logged = True
 
 
 def _disk_error(adapter_id: str, exc: OSError) -> SidecarError:

@@ -6,6 +6,7 @@ makes them true on disk, so the index and the folder under `adapters/` never dis
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
@@ -62,6 +63,17 @@ class CacheSnapshot:
     active_leases: int
 
 
+class StoreListener:
+    """Told of every published folder that leaves `adapters/` (the catalog parks the names
+    that lead to it). Called on the loop, before the folder goes, in the same step."""
+
+    def leaving(self, adapter_id: str) -> None:
+        """The sidecar is about to move the folder out (evicted)."""
+
+    def vanished(self, adapter_id: str, changed: bool) -> None:
+        """The folder was removed (`changed` false) or changed in place (true) by someone else."""
+
+
 class EvictReason(Enum):
     LRU = "lru"
     MANUAL = "manual"
@@ -80,6 +92,7 @@ class AdapterStore:
         lease_ttl_s: float,
         metrics: Metrics,
         max_leases: int = 100_000,
+        listener: StoreListener | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -101,12 +114,8 @@ class AdapterStore:
         self._reservations: list[Reservation] = []
         self._pins: set[str] = set()
         self._trash_pending: list[Path] = []
-        # The catalog's hooks: before a published folder leaves adapters/ (a bound spare name
-        # keeps its files), and after one vanished or changed outside the sidecar.
-        self.before_evict: Callable[[str, Path], None] = lambda adapter_id, folder: None
-        self.after_forget: Callable[[str], None] = lambda adapter_id: None
-        # The process's: delete what take_trash returns, off the loop (after trim evicted).
-        self.on_trash: Callable[[], None] = lambda: None
+        self._listener = listener or StoreListener()
+        self._deleting: set[asyncio.Future[None]] = set()  # evicted folders being deleted
 
     @property
     def journal_path(self) -> Path:
@@ -339,6 +348,7 @@ class AdapterStore:
                 adapter_id=adapter_id,
                 retryable=len(pinned) < self.max_adapters,
             )
+        self._make_budget_room(size_bytes + reserved_bytes, len(others) + 1)
         self._make_disk_room(adapter_id, size_bytes + reserved_bytes)
         reservation = Reservation(adapter_id, size_bytes)
         self._reservations.append(reservation)
@@ -347,6 +357,17 @@ class AdapterStore:
     def unreserve(self, reservation: Reservation) -> None:
         if reservation in self._reservations:
             self._reservations.remove(reservation)
+
+    def _make_budget_room(self, incoming_bytes: int, incoming_adapters: int) -> None:
+        """Evict LRU adapters until the downloads about to land fit the budget beside what
+        stays: the bytes under the cache root never exceed --max-bytes, not even while a new
+        adapter is written (reserve() checked that enough can be made free)."""
+        while (self.total_bytes + incoming_bytes > self.max_bytes
+               or len(self._index) + incoming_adapters > self.max_adapters):
+            victim = next(eviction_order(self._index, self.is_protected), None)
+            if victim is None:
+                break  # held by leases and pins; reserve() said they will be released
+            self._evict_now(victim.adapter_id, EvictReason.LRU)
 
     def _make_disk_room(self, adapter_id: str, needed_bytes: int) -> None:
         """Evict LRU adapters until the disk will hold `needed_bytes` above the free-space floor.
@@ -377,8 +398,8 @@ class AdapterStore:
             self._evict_now(victim, EvictReason.LRU)
 
     def trim(self) -> list[Eviction]:
-        """Evict in eviction order until the cache is within its budget, then hand the
-        evicted folders to `on_trash` for deletion off the loop."""
+        """Evict in eviction order until the cache is within its budget; the evicted folders
+        are deleted off the loop."""
         evicted = []
         while len(self._index) > self.max_adapters or self.total_bytes > self.max_bytes:
             victim = next(eviction_order(self._index, self.is_protected), None)
@@ -386,7 +407,7 @@ class AdapterStore:
                 break  # what is left is pinned or leased; trimmed again on release
             evicted.append(self._evict_now(victim.adapter_id, EvictReason.LRU))
         if evicted:
-            self.on_trash()
+            self._purge_soon()
         return evicted
 
     # ---- publish and evict -------------------------------------------------------------
@@ -443,23 +464,25 @@ class AdapterStore:
             self.unpin(adapter_id)
         reason = EvictReason.FORCED if (leases or pinned) else EvictReason.MANUAL
         eviction = self._evict_now(adapter_id, reason)
+        self._purge_soon()
         return Eviction(adapter_id, eviction.freed_bytes, reason, leases)
 
-    def forget(self, adapter_id: str) -> CachedAdapter | None:
-        """The folder vanished outside the sidecar: drop it from the index."""
+    def forget(self, adapter_id: str, *, changed: bool = False) -> CachedAdapter | None:
+        """The folder vanished (or, `changed`, was altered in place) outside the sidecar: drop
+        it from the index."""
         adapter = self._index.pop(adapter_id, None)
         if adapter is None:
             return None
         for lease_id in self._leases.ids_of(adapter_id):
             self._leases.end(lease_id)
         self._count_eviction(adapter, EvictReason.EXTERNAL)
-        self.after_forget(adapter_id)
+        self._listener.vanished(adapter_id, changed)
         return adapter
 
     def _evict_now(self, adapter_id: str, reason: EvictReason) -> Eviction:
         adapter = self._index.pop(adapter_id)
         target = self.trash_dir / f"{adapter_id}.{secrets.token_hex(6)}"
-        self.before_evict(adapter_id, self.path_of(adapter_id))
+        self._listener.leaving(adapter_id)
         try:
             # One rename: readers see the whole folder or nothing, never half of it.
             os.rename(self.path_of(adapter_id), target)
@@ -480,6 +503,32 @@ class AdapterStore:
                               age_s=round(age_s, 3)))
 
     def take_trash(self) -> list[Path]:
-        """Folders renamed into `.trash/` since the last call, for deletion off the loop."""
+        """Folders renamed into `.trash/` and not yet being deleted."""
         pending, self._trash_pending = self._trash_pending, []
         return pending
+
+    def _purge_soon(self) -> None:
+        """Delete evicted folders off the loop; the rename already hid them from readers."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # a blocking caller: settle_trash() or the next start deletes them
+        for folder in self.take_trash():
+            task = loop.create_task(asyncio.to_thread(remove_tree, folder))
+            self._deleting.add(task)
+            task.add_done_callback(self._deleting.discard)
+
+    async def settle_trash(self) -> None:
+        """Every evicted folder deleted: room made by evicting is free on disk only then, so a
+        download waits for this before it writes (the bytes under the cache root stay within
+        the budget)."""
+        pending = self.take_trash()
+        if pending:
+            await asyncio.to_thread(_remove_all, pending)
+        if self._deleting:
+            await asyncio.gather(*list(self._deleting), return_exceptions=True)
+
+
+def _remove_all(folders: list[Path]) -> None:
+    for folder in folders:
+        remove_tree(folder)

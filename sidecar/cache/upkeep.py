@@ -8,8 +8,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from ..errors import SidecarError
-from .stager import Stager
+from ..errors import InvalidAdapter, SidecarError
+from .stager import RELIST_REFUSED_S, Stager
 from .store import AdapterStore
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,11 @@ async def stage_pin(stager: Stager, adapter_id: str, timeout_s: float,
             await stager.stage(adapter_id, timeout_s=timeout_s, lease=False)
         except SidecarError as exc:
             on_problem(f"{exc.code}: {exc.message}")
+            if isinstance(exc, InvalidAdapter):
+                # Refused for these files: asked again as often as a refusal is re-checked,
+                # so an upload that completes (or a fix) is staged within a second or two.
+                await asyncio.sleep(RELIST_REFUSED_S)
+                continue
             await asyncio.sleep(delay)
             delay = min(delay * 2, PIN_RETRY_S[1])
             continue

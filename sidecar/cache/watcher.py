@@ -1,6 +1,8 @@
 """The watcher: keeps the index true to `adapters/` when someone else removes a folder or copies
 one in. Watchdog's thread only forwards events to the loop; each adapter id is then judged on
 the loop by comparing its folder with the index, so the sidecar's own renames need no special case.
+A folder copied in is adopted holding what a stage would have published: the entries the engine
+never reads (validation/files.py) are deleted from it first.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import asyncio
 import logging
 import math
 import os
+import shutil
 import stat
 import time
 from dataclasses import dataclass
@@ -33,8 +36,10 @@ from ..filehash import hash_fd
 from ..ids import is_valid_adapter_id
 from ..logs import fields
 from ..metrics import Metrics
+from ..validation.files import CHECKSUMS_FILE, WEIGHTS_FILE, listed, plan_folder
+from ..validation.problem import Problem
 from ..validation.signatures import SignatureVerdict, verify_folder
-from ..validation.validate import CHECKSUMS_FILE, WEIGHTS_FILE, Problem, Rules, validate_adapter
+from ..validation.validate import Rules, judge_adapter
 from ..validation.values import ValueReport, ValueScan
 from .lru import CachedAdapter
 from .records import RECORD_NAME, AdapterRecord, Check, FileRecord, SignatureRecord, write_record
@@ -77,6 +82,7 @@ class _Forward(FileSystemEventHandler):
 class _Inspection:
     files: dict[str, FileRecord]
     problems: list[Problem]
+    ignored: tuple[str, ...]  # entries to delete before adopting (a sub-folder as `name/`)
     signature: SignatureVerdict
 
 
@@ -105,6 +111,7 @@ class Watcher:
         self._last_change: dict[str, float] = {}  # adapter id -> loop time of its last event
         self._judging: dict[str, asyncio.Task[None]] = {}
         self._adopting: set[str] = set()
+        self._leaving_out: dict[str, frozenset[str]] = {}  # adapter id -> entries deleted
         self._limit = asyncio.Semaphore(ADOPT_CONCURRENCY)
 
     @property
@@ -170,8 +177,10 @@ class Watcher:
             if not path.startswith(self._root):
                 continue  # adapters/ itself, or a move's far end in .trash/ or .staging/
             name, _, rest = path[len(self._root):].partition(os.sep)
-            if not name or (rest == RECORD_NAME and name in self._adopting):
-                continue  # the record the watcher is writing is no change of the copy
+            if not name or (name in self._adopting and (
+                    rest == RECORD_NAME
+                    or rest.partition(os.sep)[0] in self._leaving_out.get(name, ()))):
+                continue  # the record the watcher writes, the entries it deletes: no copying
             self._note(name)
             ids.add(name)
         return ids
@@ -238,7 +247,7 @@ class Watcher:
         log.warning("adapter folder changed outside the sidecar adapter_id=%s (%s); it is no "
                     "longer served and is judged again as a new copy", adapter_id, why,
                     extra=fields(event="external_change", adapter_id=adapter_id, reason=why))
-        self._store.forget(adapter_id)
+        self._store.forget(adapter_id, changed=True)
         return True
 
     async def _settle(self, adapter_id: str) -> None:
@@ -283,8 +292,12 @@ class Watcher:
                 checks = (*checks, Check.SIGNATURE)
             record = AdapterRecord(adapter_id, ADOPTED_SOURCE, time.time(), inspection.files,
                                    checks, SignatureRecord.of(inspection.signature))
+            leave_out = frozenset(name.removesuffix("/") for name in inspection.ignored
+                                  if name != RECORD_NAME)
+            self._leaving_out[adapter_id] = leave_out
             try:
-                if not await asyncio.to_thread(_write_record_into, folder, before, record):
+                if not await asyncio.to_thread(_write_record_into, folder, before, record,
+                                               leave_out):
                     return
             except OSError as exc:
                 log.warning("cannot write the record of adapter folder %s, so it is not "
@@ -297,23 +310,31 @@ class Watcher:
             store.adopt(record)
         finally:
             self._adopting.discard(adapter_id)
+            self._leaving_out.pop(adapter_id, None)
         elapsed_s = time.perf_counter() - started
-        log.info("adopted adapter_id=%s bytes=%d files=%d in %.2fs (copied in by someone else)",
-                 adapter_id, record.size_bytes, len(record.files), elapsed_s,
+        left_out = (f"; deleted {len(inspection.ignored)} entries the engine never reads: "
+                    f"{listed(inspection.ignored)}" if inspection.ignored else "")
+        log.info("adopted adapter_id=%s bytes=%d files=%d in %.2fs (copied in by someone "
+                 "else)%s", adapter_id, record.size_bytes, len(record.files), elapsed_s, left_out,
                  extra=fields(event="adopted", adapter_id=adapter_id,
-                              size_bytes=record.size_bytes, duration_s=round(elapsed_s, 3)))
+                              size_bytes=record.size_bytes, duration_s=round(elapsed_s, 3),
+                              ignored=list(inspection.ignored)))
         store.trim()
 
     async def _inspect(self, adapter_id: str, folder: Path) -> _Inspection | None:
         """Hash and validate a folder (in threads), and check its signature by the digests
         just computed; None if it changed while being read."""
         before = await asyncio.to_thread(_snapshot, folder)
+        try:
+            plan = await asyncio.to_thread(plan_folder, folder)
+        except OSError:
+            return None  # gone or replaced meanwhile: its events have it judged again
         files: dict[str, FileRecord] = {}
         scanned: dict[str, ValueReport] = {}  # values checked in the hashing pass
         problems: list[Problem] = []
-        for name, (mode, _, _) in sorted(before.items()):
-            if name == RECORD_NAME or not stat.S_ISREG(mode):
-                continue  # a record copied from elsewhere is replaced; validation names others
+        for name in plan.fetched:  # only what the engine reads is hashed and kept
+            if not stat.S_ISREG(before.get(name, (0, 0, 0))[0]):
+                continue  # validation names it
             try:
                 size_bytes, crc32, sha256, report = await asyncio.to_thread(
                     _hash_file, folder / name, name == WEIGHTS_FILE)
@@ -324,17 +345,17 @@ class Watcher:
             if report is not None:
                 scanned[name] = report
         digests = {name: f.sha256 for name, f in files.items() if f.sha256}
-        problems += await asyncio.to_thread(validate_adapter, folder, self._rules,
-                                            sha256=digests, scanned=scanned)
+        verdict = await asyncio.to_thread(judge_adapter, folder, self._rules, sha256=digests,
+                                          scanned=scanned)
         signature = await asyncio.to_thread(
             verify_folder, folder, adapter_id, self._rules.signing.rule_for(adapter_id),
             {name: f.sha256 for name, f in files.items()})
-        problems += signature.problems
         # A copy made in one long system call (copy_file_range, a reflink) sends no event
         # until it ends; growing sizes or times still show it is not finished.
         if await asyncio.to_thread(_snapshot, folder) != before:
             return None
-        return _Inspection(files, problems, signature)
+        return _Inspection(files, problems + verdict.problems + list(signature.problems),
+                           verdict.ignored, signature)
 
     def _unindexed(self, adapter_id: str, folder: Path, before: os.stat_result) -> bool:
         """Still the same folder, and the sidecar did not stage the id meanwhile."""
@@ -402,12 +423,14 @@ def _hash_file(path: Path, scan_values: bool) -> tuple[int, str, str, ValueRepor
     return digests.size_bytes, digests.crc32, digests.sha256, report
 
 
-def _write_record_into(folder: Path, expected: os.stat_result, record: AdapterRecord) -> bool:
-    """Write the record into `folder` only if it is still the folder that was validated.
+def _write_record_into(folder: Path, expected: os.stat_result, record: AdapterRecord,
+                       leave_out: frozenset[str] = frozenset()) -> bool:
+    """Delete the entries left out, then write the record, into `folder` only if it is still
+    the folder that was validated.
 
-    Written through a descriptor of the folder: if the sidecar publishes its own copy of the
-    id meanwhile (moving this one to quarantine), the record follows this folder, never
-    overwriting the record of the published one.
+    Done through a descriptor of the folder: if the sidecar publishes its own copy of the id
+    meanwhile (moving this one to quarantine), both follow this folder, never touching the
+    published one.
     """
     try:
         dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -417,8 +440,23 @@ def _write_record_into(folder: Path, expected: os.stat_result, record: AdapterRe
         st = os.fstat(dir_fd)
         if (st.st_dev, st.st_ino) != (expected.st_dev, expected.st_ino):
             return False
+        for name in sorted(leave_out):
+            _delete_entry(name, dir_fd)
         write_record(folder, record, dir_fd=dir_fd)
         os.fsync(dir_fd)
         return True
     finally:
         os.close(dir_fd)
+
+
+def _delete_entry(name: str, dir_fd: int) -> None:
+    """Delete one entry of the folder open as `dir_fd` (a sub-folder with all it holds), never
+    following a link."""
+    try:
+        mode = os.lstat(name, dir_fd=dir_fd).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        shutil.rmtree(name, dir_fd=dir_fd)
+    else:
+        os.unlink(name, dir_fd=dir_fd)

@@ -34,6 +34,7 @@ class RegistryView:
         self._on_disk = on_disk
         self._wall = wall
         self._ids: frozenset[str] | None = None
+        self.listed = asyncio.Event()  # set by the first listing that succeeded
         self._listed_at: float | None = None  # unix, of the last listing that succeeded
         self._error: str | None = None
 
@@ -59,7 +60,12 @@ class RegistryView:
         if self._error is not None:
             log.info("the registry can be listed again")
         self._ids, self._listed_at, self._error = ids, self._wall(), None
+        self.listed.set()
         return True
+
+    def ids(self) -> frozenset[str] | None:
+        """The adapter ids of the last listing that succeeded; None before the first."""
+        return self._ids
 
     def status(self) -> dict[str, Any]:
         not_staged = sorted(self._ids - set(self._on_disk())) if self._ids is not None else []

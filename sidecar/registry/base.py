@@ -8,10 +8,11 @@ import logging
 import posixpath
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from ..fsutil import EntryKind
 from ..ids import ADAPTER_ID_PATTERN
 from ..logs import fields
 from .transfer import Inspector
@@ -27,6 +28,7 @@ class RemoteFile:
     size_bytes: int
     etag: str  # what must not change between listing and fetch
     locator: str  # S3 key or local path
+    modified: float | None = None  # unix, by the registry's clock (S3: to the second)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,9 +40,36 @@ class FetchedFile:
 
 
 @dataclass(frozen=True, slots=True)
+class Entry:
+    """An entry of an adapter folder that is not a fetchable file: what the registry saw."""
+
+    path: str  # inside the adapter folder, '/'-separated (an S3 key below `<id>/`)
+    kind: EntryKind
+
+
+@dataclass(frozen=True, slots=True)
 class Listing:
-    files: list[RemoteFile]
-    unsafe_names: list[str]  # keys that would leave the adapter folder: never fetched
+    """An adapter folder as the registry lists it. Which files are fetched is the stager's
+    decision (validation/files.py); a registry only ever fetches one of `files`."""
+
+    files: list[RemoteFile]  # plain files right in the folder, with names safe to write
+    others: list[Entry] = field(default_factory=list)  # all else: never fetched
+    listed_at: float | None = None  # unix, by the registry's clock, when it answered
+    upload: tuple[object, ...] = ()  # signature() of the listing as the registry gave it
+
+    def quiet_s(self) -> float | None:
+        """Seconds since the newest file was stored, by the registry's own clock; None when
+        the registry does not say."""
+        times = [f.modified for f in self.files if f.modified is not None]
+        if not times or self.listed_at is None:
+            return None
+        return self.listed_at - max(times)
+
+    def signature(self) -> tuple[object, ...]:
+        """What the listing says of the bytes (names, sizes, etags, other entries): equal
+        only for the same upload."""
+        return (tuple(sorted((f.name, f.size_bytes, f.etag) for f in self.files)),
+                tuple(sorted((e.path, str(e.kind)) for e in self.others)))
 
 
 class AdapterSource(Protocol):
@@ -105,7 +134,8 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9._-][A-Za-z0-9._ -]{0,254}$")
 
 
 def is_safe_file_name(name: str) -> bool:
-    """A plain name that stays inside its folder: no separators, no `..`, no absolute path."""
+    """A plain name that stays inside its folder, fit to be written in a staging folder: no
+    separators, no `..`, no absolute path."""
     return (
         bool(_NAME_RE.fullmatch(name))
         and name not in (".", "..")

@@ -10,13 +10,15 @@ import asyncio
 import logging
 import os
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import AdapterNotFound, SourceChanged, SourceUnavailable
+from ..fsutil import EntryKind, entry_kind
 from ..ids import is_valid_adapter_id
-from .base import FetchedFile, Listing, RemoteFile, SkippedFolders, is_safe_file_name
+from .base import Entry, FetchedFile, Listing, RemoteFile, SkippedFolders, is_safe_file_name
 from .checksum import crc32_hex
 from .transfer import Inspector, TransferPolicy, download, open_in_thread
 
@@ -85,24 +87,26 @@ class LocalSource:
                 adapter_id=adapter_id,
             )
         files: list[RemoteFile] = []
-        unsafe: list[str] = []
+        others: list[Entry] = []
         with os.scandir(folder) as entries:
             for entry in entries:
                 st = entry.stat(follow_symlinks=False)
-                if not stat.S_ISREG(st.st_mode) or not is_safe_file_name(entry.name):
-                    kind = "symbolic link" if entry.is_symlink() else (
-                        "folder" if entry.is_dir(follow_symlinks=False) else "name")
-                    unsafe.append(f"{entry.name} ({kind})" if kind != "name" else entry.name)
+                kind = entry_kind(st.st_mode)
+                # Sub-folders are not walked and links not followed: the listing names them,
+                # and nothing below or behind them is ever read.
+                if kind is not EntryKind.FILE or not is_safe_file_name(entry.name):
+                    others.append(Entry(entry.name, kind))
                     continue
                 files.append(
                     RemoteFile(entry.name, st.st_size, f"{st.st_mtime_ns}-{st.st_size}",
-                               entry.path)
+                               entry.path, st.st_mtime)
                 )
-        if not files and not unsafe:
+        if not files and not others:
             raise AdapterNotFound(
                 f"the registry folder {folder} is empty", adapter_id=adapter_id
             )
-        return Listing(sorted(files, key=lambda f: f.name), sorted(unsafe))
+        return Listing(sorted(files, key=lambda f: f.name), sorted(others, key=lambda e: e.path),
+                       time.time())
 
     async def fetch(
         self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None],

@@ -5,6 +5,7 @@ that imports aiobotocore; botocore errors stop here).
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import logging
 import re
 from collections.abc import Callable
@@ -25,8 +26,9 @@ from ..errors import (
     SourceError,
     SourceUnavailable,
 )
+from ..fsutil import EntryKind
 from ..ids import is_valid_adapter_id
-from .base import FetchedFile, Listing, RemoteFile, SkippedFolders, is_safe_file_name
+from .base import Entry, FetchedFile, Listing, RemoteFile, SkippedFolders, is_safe_file_name
 from .checksum import crc32_hex, s3_checksum_hex
 from .httpranges import ConnectionPool, RangeReader
 from .proxies import botocore_proxies
@@ -119,8 +121,9 @@ class S3Source:
     async def list_files(self, adapter_id: str) -> Listing:
         folder = f"{self.prefix}{adapter_id}/"
         files: list[RemoteFile] = []
-        unsafe: list[str] = []
+        others: list[Entry] = []
         token: str | None = None
+        listed_at: float | None = None
         while True:
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": folder}
             if token:
@@ -130,20 +133,23 @@ class S3Source:
                 name = obj["Key"][len(folder):]
                 if name == "" and obj["Size"] == 0:
                     continue  # a "folder marker" some tools create
-                if not is_safe_file_name(name):
-                    unsafe.append(name)
+                if not is_safe_file_name(name):  # a nested key, or one that would leave
+                    others.append(Entry(name, EntryKind.FILE))
                     continue
-                files.append(RemoteFile(name, int(obj["Size"]), obj["ETag"], obj["Key"]))
+                modified = obj.get("LastModified")
+                files.append(RemoteFile(name, int(obj["Size"]), obj["ETag"], obj["Key"],
+                                        modified.timestamp() if modified else None))
+            listed_at = listed_at or _answered_at(page)
             if not page.get("IsTruncated"):
                 break
             token = page.get("NextContinuationToken")
-        if not files and not unsafe:
+        if not files and not others:
             raise AdapterNotFound(
                 f"no adapter {adapter_id!r} in the registry {self.description} "
                 f"(nothing under {folder})",
                 adapter_id=adapter_id,
             )
-        return Listing(sorted(files, key=lambda f: f.name), unsafe)
+        return Listing(sorted(files, key=lambda f: f.name), others, listed_at)
 
     async def fetch(
         self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None],
@@ -272,6 +278,15 @@ class S3Source:
 
     def _endpoint(self) -> str:
         return hide_password(self._settings.s3_endpoint_url or "AWS S3")
+
+
+def _answered_at(response: dict[str, Any]) -> float | None:
+    """When the registry answered, by its own clock (the Date header, to the second)."""
+    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    try:
+        return email.utils.parsedate_to_datetime(date).timestamp() if date else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _checksum(response: dict[str, Any], algorithm: str) -> str | None:

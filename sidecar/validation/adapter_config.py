@@ -14,6 +14,10 @@ from typing import Any, TypeGuard
 from .safetensors_check import Fault, shown
 
 _REQUIRED_FIELDS = ("r", "lora_alpha", "target_modules")
+# After vLLM's own words for a rank too large: which knob that is here.
+_RANK_LIMIT = ("The limit is the sidecar's --max-lora-rank (LORA_SIDECAR_MAX_LORA_RANK), which "
+               "must equal the engine's max_lora_rank (vllm_model's model.json): raise both "
+               "together, or train the adapter at a lower rank.")
 # A module name or dotted path ("q_proj", "model.layers.0.self_attn.q_proj"), as PEFT writes
 # target_modules for a list, or for "all-linear" once resolved.
 _MODULE_PATH = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")
@@ -103,8 +107,8 @@ def check_adapter_config(
         faults.append(("invalid_rank", f"LoRA rank `r` must be a positive integer, got "
                        f"{_json(rank)}."))
     elif _positive_int(rank) and rank > max_lora_rank:
-        faults.append(("rank_too_large",
-                       f"LoRA rank {rank} is greater than max_lora_rank {max_lora_rank}."))
+        faults.append(("rank_too_large", f"LoRA rank {rank} is greater than max_lora_rank "
+                       f"{max_lora_rank}. {_RANK_LIMIT}"))
     faults.extend(_rank_pattern_faults(config.get("rank_pattern"), max_lora_rank))
     faults.extend(_alpha_faults(config))
     faults.extend(_ignored_pattern_faults(config, max_lora_rank))
@@ -132,7 +136,7 @@ def _rank_pattern_faults(pattern: object, max_lora_rank: int) -> list[Fault]:
     too_large = [v for v in pattern.values() if _positive_int(v) and v > max_lora_rank]
     if too_large:
         faults.append(("rank_pattern_too_large", f"LoRA rank {max(too_large)} is greater than "
-                       f"max_lora_rank {max_lora_rank}. (from rank_pattern)"))
+                       f"max_lora_rank {max_lora_rank}. (from rank_pattern) {_RANK_LIMIT}"))
     return faults
 
 

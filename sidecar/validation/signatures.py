@@ -21,6 +21,8 @@ from model_signing._signing import signing as oms
 from OpenSSL import crypto
 
 from ..filehash import hash_file
+from .files import SIGNATURE_FILE, FileRole, classify, plan_folder
+from .problem import Problem
 from .safetensors_check import shown
 from .signing_policy import (
     CertificateSigner,
@@ -29,7 +31,6 @@ from .signing_policy import (
     SignatureMode,
     describe_signer,
 )
-from .validate import RECORD_FILE, SIGNATURE_FILE, Problem
 
 SIGNATURE_MAX_BYTES = 1024 * 1024
 # model_signing names a statement of its pre-1.0 format so (it carries no name of its own).
@@ -71,9 +72,14 @@ class SignatureVerdict:
 
 
 def published_names(names: Collection[str]) -> set[str]:
-    """The files a statement must list: every file the folder publishes but the signature and
-    the sidecar's record."""
-    return {name for name in names if name not in (SIGNATURE_FILE, RECORD_FILE)}
+    """The files a statement must list: of `names`, every file the sidecar fetches and
+    publishes (files.py) but the signature itself. Others (README.md, training_args.bin) are
+    never published, so a statement may list them or not."""
+    return {name for name in names if _published(name)}
+
+
+def _published(name: str) -> bool:
+    return classify(name) is FileRole.FETCHED and name != SIGNATURE_FILE
 
 
 # ---- before the download: the envelope, the signer, the list of files ------------------------
@@ -154,7 +160,7 @@ def verify_folder(folder: Path, adapter_id: str, rule: Rule,
     if rule.mode is SignatureMode.OFF:
         return SignatureVerdict(rule)
     try:
-        names = {entry.name for entry in os.scandir(folder)}
+        names = set(plan_folder(folder).fetched)
     except OSError as exc:
         return _refused(rule, Problem("read_error", "", f"cannot read the folder: "
                                       f"{shown(str(exc))}"))
@@ -359,7 +365,7 @@ def _digests(statement: manifest.Manifest) -> dict[str, str]:
 
 
 def _file_set_problems(signed: Signed, files: set[str]) -> list[Problem]:
-    listed = set(signed.digests)
+    listed = {name for name in signed.digests if _published(name)}
     problems = [Problem("unsigned_file", shown(name),
                         f"{name} is not in the statement {SIGNATURE_FILE} signs (by "
                         f"{signed.signer}): added after signing")
@@ -376,10 +382,12 @@ def _file_set_problems(signed: Signed, files: set[str]) -> list[Problem]:
 
 def sign_folder(folder: Path, *, private_key: Path, certificate: Path | None = None,
                 chain: Sequence[Path] = (), password: str | None = None) -> Path:
-    """Write `folder/model.sig`: an OMS signature, by whole file and SHA-256, of every file of
-    the folder but model.sig and .sidecar.json. With `certificate`, `chain` lists the CA
-    certificates it chains up to (model_signing needs at least the issuer). Returns its path."""
+    """Write `folder/model.sig`: an OMS signature, by whole file and SHA-256, of the files the
+    sidecar publishes (files.py; what it leaves out, such as README.md or .cache/, is left out
+    of the statement too). With `certificate`, `chain` lists the CA certificates it chains up
+    to (model_signing needs at least the issuer). Returns its path."""
     folder = folder.resolve()
+    left_out = [name.rstrip("/") for name in plan_folder(folder).ignored]
     config = signing.Config()  # type: ignore[no-untyped-call]
     if certificate is None:
         config.use_elliptic_key_signer(private_key=private_key, password=password)
@@ -392,7 +400,7 @@ def sign_folder(folder: Path, *, private_key: Path, certificate: Path | None = N
     config.set_hashing_config(
         hashing.Config()  # type: ignore[no-untyped-call]
         .use_file_serialization(hashing_algorithm="sha256")
-        .set_ignored_paths(paths=[SIGNATURE_FILE, RECORD_FILE], ignore_git_paths=False))
+        .set_ignored_paths(paths=[SIGNATURE_FILE, *left_out], ignore_git_paths=False))
     target = folder / SIGNATURE_FILE
     config.sign(folder, target)
     return target

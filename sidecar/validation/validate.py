@@ -1,6 +1,7 @@
 """Adapter validation: refuse, before it is published, every adapter vLLM cannot load or that is
 unsafe, naming every reason at once. Plain synchronous functions (the core runs them in a thread);
-rule ids such as A7 or C4 refer to the vLLM adapter acceptance checklist, sections A-D.
+rule ids such as A7 or C4 refer to the vLLM adapter acceptance checklist, sections A-D. Which
+files are judged at all is files.py's rule.
 """
 
 from __future__ import annotations
@@ -20,33 +21,27 @@ from ..config import LLAMA_TARGET_MODULES, Settings
 from ..errors import ConfigError
 from ..filehash import hash_file, open_regular
 from .adapter_config import LoraConfig, check_adapter_config
+from .files import (
+    CHECKSUMS_FILE,
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    FileRole,
+    classify,
+    leaves_folder,
+    listed,
+    plan_folder,
+)
+from .problem import Problem
 from .safetensors_check import TensorInfo, check_safetensors, shown
 from .shapes import ATTENTION_MODULES, ModelShapes
+from .signatures import verify_folder
 from .signing_policy import NO_POLICY, SigningPolicy
 from .values import Layout, NonFinite, ValueReport, scan_file
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-CHECKSUMS_FILE = "SHA256SUMS"
-SIGNATURE_FILE = "model.sig"  # an OMS signature (signatures.py): model_signing's default name
-RECORD_FILE = ".sidecar.json"  # the cache's record of a published folder (cache/records.py)
-ALLOWED_FILES = frozenset({
-    CONFIG_FILE, WEIGHTS_FILE, CHECKSUMS_FILE, SIGNATURE_FILE, RECORD_FILE,
-    "README.md", "README", "LICENSE", "LICENSE.md", "LICENSE.txt",
-})  # fmt: skip
 CONFIG_MAX_BYTES = 1024**2
 CHECKSUMS_MAX_BYTES = 64 * 1024
 MAX_PROBLEMS_PER_CODE = 20  # a header of a million bad tensors must not make a huge answer
 
-# torch.load runs pickles, and `weights_only=True` has been bypassed (CVE-2025-32434).
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
-_CODE_SUFFIXES = (".py", ".pyc", ".pyo", ".so", ".sh", ".js", ".ipynb", ".exe", ".dll")
-# vLLM 0.10 loads a tokenizer from the adapter folder, with the engine's trust_remote_code;
-# vLLM 0.10 also reads new_embeddings.* (a pickle when .bin), newer versions ignore them.
-_TOKENIZER_FILES = frozenset({
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-    "added_tokens.json", "vocab.json", "merges.txt",
-})  # fmt: skip
 _NAME_PREFIX = "base_model.model."
 _LORA_NAME = re.compile(
     r"(?P<path>(?:[A-Za-z0-9_]+\.)*(?P<module>[A-Za-z0-9_]+))"
@@ -54,16 +49,6 @@ _LORA_NAME = re.compile(
 )
 _LLAMA_PATH = re.compile(r"model\.layers\.(?P<layer>0|[1-9][0-9]*)\.(?P<block>self_attn|mlp)\.\w+")
 _CHECKSUM_LINE = re.compile(r"(?P<digest>[0-9a-fA-F]{64}) [ *](?:\./)?(?P<name>.+)")
-
-
-@dataclass(frozen=True, slots=True)
-class Problem:
-    code: str  # stable snake_case code, e.g. "rank_too_large"
-    file: str  # file name inside the adapter folder, "" for the folder itself
-    message: str
-
-    def to_json(self) -> dict[str, str]:
-        return {"code": self.code, "file": self.file, "message": self.message}
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,25 +85,10 @@ class Rules:
         )
 
 
-def check_file_name(name: str) -> Problem | None:
-    """Whether a file of this name may be part of an adapter; used on a registry listing too,
-    so a forbidden file is refused before it is downloaded."""
-    if name in ALLOWED_FILES:
-        return None
-    if "/" in name or "\\" in name or name in ("", ".", ".."):
-        return Problem("nested_path", shown(name), "an adapter is one flat folder; "
-                       "nested paths and sub-folders are refused")
-    lowered = name.lower()
-    if lowered.endswith(_PICKLE_SUFFIXES):
-        return Problem("forbidden_file", shown(name), "pickle-based weights can run code when "
-                       f"loaded; only {WEIGHTS_FILE} is accepted")
-    if lowered.endswith(_CODE_SUFFIXES):
-        return Problem("forbidden_file", shown(name), "code files are never staged")
-    if lowered in _TOKENIZER_FILES or lowered.startswith("new_embeddings."):
-        return Problem("forbidden_file", shown(name), "tokenizer and new-embedding files are "
-                       "refused: old vLLM versions load them from the adapter folder")
-    return Problem("unexpected_file", shown(name), "not on the list of allowed files: "
-                   + ", ".join(sorted(ALLOWED_FILES)))
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    problems: list[Problem]  # [] when the adapter is valid
+    ignored: tuple[str, ...]  # entries the engine never reads: not judged, never published
 
 
 def validate_adapter(
@@ -130,14 +100,29 @@ def validate_adapter(
     scanned: Mapping[str, ValueReport] | None = None,
     checksums: bool = True,
 ) -> list[Problem]:
-    """Every problem of the adapter in `folder`; [] when it is valid. Never raises for what the
-    folder holds. `sha256` maps file names to digests already computed while downloading;
+    """Every problem of the adapter in `folder`; [] when it is valid (see `judge_adapter`)."""
+    return judge_adapter(folder, rules, sha256=sha256, scan_values=scan_values, scanned=scanned,
+                         checksums=checksums).problems
+
+
+def judge_adapter(
+    folder: Path,
+    rules: Rules,
+    *,
+    sha256: Mapping[str, str] | None = None,
+    scan_values: bool = True,
+    scanned: Mapping[str, ValueReport] | None = None,
+    checksums: bool = True,
+) -> Verdict:
+    """The verdict on the adapter in `folder`: every problem, and the entries the rule of
+    files.py ignores. Never raises for what the folder holds. `sha256` maps file names to
+    digests already computed while downloading;
     `scanned` maps file names to value checks already made while downloading.
     `scan_values=False` leaves the tensor values unread (a restart: they were checked before
     publication), except when the weights are read anyway to check a SHA256SUMS file.
     `checksums=False` leaves out hashing the files listed in SHA256SUMS (a restart re-checks
     the rules of a published folder, whose bytes its record vouches for)."""
-    problems, readable = _check_folder(folder)
+    problems, readable, ignored = _check_folder(folder)
     config: LoraConfig | None = None
     digests = dict(sha256 or {})
     # A file that cannot be read (a race with a deletion, an I/O error) is that file's problem.
@@ -164,53 +149,40 @@ def validate_adapter(
             problems.extend(_check_checksums(folder, readable, digests))
         except OSError as exc:
             problems.append(_read_error(CHECKSUMS_FILE, exc))
-    return _bounded(problems)
+    return Verdict(_bounded(problems), ignored)
 
 
 def _read_error(file: str, exc: OSError) -> Problem:
     return Problem("read_error", file, f"cannot read it: {shown(str(exc))}")
 
 
-def _check_folder(folder: Path) -> tuple[list[Problem], set[str]]:
-    """Problems of the folder's entries, and the names of the files fit to be read."""
+def _check_folder(folder: Path) -> tuple[list[Problem], set[str], tuple[str, ...]]:
+    """Problems of the folder's entries, the names of the files fit to be read, and the
+    entries ignored."""
     try:
         mode = os.lstat(folder).st_mode
         if stat.S_ISLNK(mode):
             return [Problem("symlink", "", "the adapter folder is a symbolic link; its target "
-                            "could change behind the published path")], set()
+                            "could change behind the published path")], set(), ()
         if not stat.S_ISDIR(mode):
-            return [Problem("not_a_folder", "", f"{shown(str(folder))} is not a folder")], set()
-        with os.scandir(folder) as entries:
-            listing = [(entry.name, entry.stat(follow_symlinks=False)) for entry in entries]
+            return [Problem("not_a_folder", "", f"{shown(str(folder))} is not a folder")], set(), ()
+        plan = plan_folder(folder)
     except OSError as exc:
-        return [Problem("read_error", "", f"cannot read the folder: {shown(str(exc))}")], set()
-    problems: list[Problem] = []
+        return [Problem("read_error", "", f"cannot read the folder: {shown(str(exc))}")], set(), ()
+    problems = list(plan.problems)
     readable: set[str] = set()
-    for name, info in sorted(listing):
-        if stat.S_ISLNK(info.st_mode):
-            # vLLM follows links; the target could be anything and change at any time.
-            problems.append(Problem("symlink", shown(name), "symbolic links are refused"))
-        elif stat.S_ISDIR(info.st_mode):
-            problems.append(Problem("nested_path", shown(name), "sub-folders are refused; an "
-                                    "adapter is one flat folder"))
-        elif not stat.S_ISREG(info.st_mode):
-            problems.append(Problem("not_regular_file", shown(name), "not a regular file"))
-        elif (problem := check_file_name(name)) is not None:
-            problems.append(problem)
-        else:
-            readable.add(name)
-            if info.st_nlink > 1:
-                # Another name for the same bytes could rewrite a published adapter in place.
-                problems.append(Problem("hard_link", name, f"the file has {info.st_nlink} "
-                                        "hard links; a published adapter must own its bytes"))
-    present = {name for name, _ in listing}
-    if CONFIG_FILE not in present:
-        problems.append(Problem("missing_file", CONFIG_FILE, f"{CONFIG_FILE} is missing (vLLM: "
-                                f"\"No adapter found for {shown(str(folder))}\")"))
-    if WEIGHTS_FILE not in present:
-        problems.append(Problem("missing_file", WEIGHTS_FILE, f"{WEIGHTS_FILE} is missing "
-                                f"(vLLM: \"{shown(str(folder))} doesn't contain tensors\")"))
-    return problems, readable
+    for name in plan.fetched:
+        try:
+            links = os.lstat(folder / name).st_nlink
+        except OSError as exc:
+            problems.append(_read_error(name, exc))
+            continue
+        readable.add(name)
+        if links > 1:
+            # Another name for the same bytes could rewrite a published adapter in place.
+            problems.append(Problem("hard_link", name, f"the file has {links} hard links; a "
+                                    "published adapter must own its bytes"))
+    return problems, readable, plan.ignored
 
 
 def _open_regular(path: Path) -> BinaryIO:
@@ -431,6 +403,8 @@ def _check_checksums(folder: Path, readable: set[str], sha256: Mapping[str, str]
                                         "is not '<sha256>  <file name>'"))
             continue
         name, expected = entry["name"], entry["digest"].lower()
+        if classify(name) is not FileRole.FETCHED and not leaves_folder(name):
+            continue  # a file the adapter is served without (README.md, training_args.bin)
         if name not in readable or name == CHECKSUMS_FILE:
             problems.append(Problem("invalid_checksum_file", CHECKSUMS_FILE, f"line {number} "
                                     f"lists {shown(name)}, which is not a file of the adapter"))
@@ -475,26 +449,37 @@ def summarize(problems: Sequence[Problem]) -> str:
     return f"{len(problems)} problem(s): {shown_problems}{more}"
 
 
-def run_validate(path: Path, rules: Rules, *, as_json: bool, out: TextIO) -> int:
-    """The `validate` command: print the verdict on `out`; 0 when valid, 1 when not."""
-    return report(path, validate_adapter(path, rules), as_json=as_json, out=out)
-
-
-def report(path: Path, problems: Sequence[Problem], *, as_json: bool, out: TextIO,
-           extra: Mapping[str, object] | None = None) -> int:
-    """Print a verdict (with `extra` facts, such as who signed); 0 when valid, 1 when not."""
+def run_validate(path: Path, rules: Rules, *, as_json: bool, out: TextIO,
+                 adapter_id: str | None = None) -> int:
+    """The `validate` command: print the verdict on `out`; 0 when valid, 1 when not. Entries
+    the engine never reads are a note (the sidecar leaves them out), not a problem. Under a
+    signing policy the folder's signature is judged too, as a stage of `adapter_id` (default:
+    the folder's name) would judge it."""
+    verdict = judge_adapter(path, rules)
+    problems = list(verdict.problems)
+    facts: dict[str, object] = {}
+    if rules.signing.rules:
+        adapter_id = adapter_id or path.resolve().name
+        rule = rules.signing.rule_for(adapter_id)
+        signature = verify_folder(path, adapter_id, rule)
+        problems += signature.problems
+        facts = {"adapter_id": adapter_id, "rule": rule.describe(),
+                 "signer": signature.signed.signer if signature.signed else None}
     if as_json:
-        verdict = {
+        out.write(json.dumps({
             "path": str(path),
             "valid": not problems,
             "problems": [p.to_json() for p in problems],
-            **(extra or {}),
-        }
-        out.write(json.dumps(verdict, indent=2) + "\n")
-    elif not problems:
-        facts = "".join(f" {key}={value}" for key, value in (extra or {}).items())
-        out.write(f"OK {path}{facts}\n")
-    else:
-        for p in problems:
-            out.write(f"{p.code}  {p.file or path}: {p.message}\n")
+            "ignored": list(verdict.ignored),
+            **facts,
+        }, indent=2) + "\n")
+        return 1 if problems else 0
+    for p in problems:
+        out.write(f"{p.code}  {p.file or path}: {p.message}\n")
+    if verdict.ignored:
+        out.write(f"note  {len(verdict.ignored)} entries the engine never reads are left out "
+                  f"(never fetched or published): {listed(verdict.ignored)}\n")
+    if not problems:
+        shown_facts = "".join(f" {key}={value}" for key, value in facts.items())
+        out.write(f"OK {path}{shown_facts}\n")
     return 1 if problems else 0

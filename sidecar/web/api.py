@@ -98,11 +98,11 @@ class RegistryStatus(Protocol):
 class CatalogView(Protocol):
     def status(self) -> dict[str, Any]: ...
 
-    def lora_name(self, adapter_id: str) -> str | None: ...
-
-    async def bind(self, adapter_id: str) -> str: ...
+    async def lora_name(self, adapter: CachedAdapter) -> str: ...
 
     def request_compaction(self) -> dict[str, Any]: ...
+
+    def replaced(self, adapter_id: str) -> dict[str, Any] | None: ...
 
 
 @dataclass(slots=True)
@@ -112,7 +112,6 @@ class Services:
     stager: Stager
     metrics: Metrics
     readiness: Readiness
-    purge_trash: Callable[[], None]
     catalog: CatalogView | None = None
     recovered: asyncio.Event | None = None  # None: nothing to recover (set up in tests)
     on_unpin: Callable[[str], bool] | None = None  # unpins pins still pending, too
@@ -237,6 +236,7 @@ async def _recovered(services: Services, timeout_s: float = RECOVERY_WAIT_S) -> 
 
 def adapter_view(services: Services, adapter: CachedAdapter) -> dict[str, Any]:
     store = services.store
+    replaced = services.catalog.replaced(adapter.adapter_id) if services.catalog else None
     return {
         "adapter_id": adapter.adapter_id,
         "path": str(services.settings.triton_root / "adapters" / adapter.adapter_id),
@@ -250,6 +250,8 @@ def adapter_view(services: Services, adapter: CachedAdapter) -> dict[str, Any]:
         "content_digest": adapter.record.content_digest,
         "signature": (None if adapter.record.signature is None
                       else adapter.record.signature.to_json()),
+        # Set when this id was staged before with other bytes (the registry changed under it).
+        "registry_changed": replaced,
         "files": {name: f.size_bytes for name, f in sorted(adapter.record.files.items())},
     }
 
@@ -299,11 +301,10 @@ async def stage(request: web.Request) -> web.Response:
     )
     lora_name = adapter_id
     if services.catalog is not None:
-        # After staging, so an unknown or invalid adapter says so first, and a spare name is
-        # bound only to an adapter validated and published.
+        # After staging, so an unknown or invalid adapter says so first, and a name is given
+        # only to an adapter validated and published.
         try:
-            lora_name = services.catalog.lora_name(adapter_id) or await services.catalog.bind(
-                adapter_id)
+            lora_name = await services.catalog.lora_name(result.adapter)
         except SidecarError:
             if result.lease is not None:
                 services.store.release(result.lease.lease_id)
@@ -339,7 +340,6 @@ async def evict(request: web.Request) -> web.Response:
             })
     eviction = store.evict(adapter_id, force=body.get("force", False))
     forgot = services.stager.forget(adapter_id)
-    services.purge_trash()
     return web.json_response({
         "adapter_id": adapter_id,
         "freed_bytes": eviction.freed_bytes,
@@ -470,7 +470,7 @@ def json_errors(handler: Handler) -> Handler:
             return await handler(request)
         except SidecarError as exc:
             status = status_of(exc)
-            if status >= 500:
+            if status >= 500 and not exc.logged:
                 log.warning("%s %s -> %d %s: %s", request.method, request.path, status,
                             exc.code, exc.message)
             return web.json_response(exc.to_json(), status=status)

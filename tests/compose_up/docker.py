@@ -1,7 +1,7 @@
-"""A real Docker engine for tests: Debian's client and daemon (started here when none answers,
-and stopped again), images built from the project's Dockerfiles on a Debian base made locally
-with debootstrap (no image registry is reachable), and a compose project driven by Debian's
-docker-compose 1.29.
+"""A real Docker engine for tests: the machine's client and daemon (Debian's docker.io or Docker
+CE; the daemon started here when none answers, and stopped again), images built from the
+project's Dockerfiles on a Debian base made locally with debootstrap (no image registry is
+reachable), and a compose project driven by Debian's docker-compose 1.29.
 """
 
 from __future__ import annotations
@@ -24,11 +24,17 @@ from pathlib import Path
 from typing import IO, Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# Debian's client: its BuildKit builds with secrets. A newer static client elsewhere on PATH
-# without the buildx plugin cannot build with BuildKit at all.
+# The packaged client (Debian's docker.io, or Docker CE's with buildx): it builds with BuildKit
+# secrets. A newer static client elsewhere on PATH without the buildx plugin cannot build with
+# BuildKit at all.
 DEBIAN_DOCKER = Path("/usr/bin/docker")
-DEBIAN_DOCKERD = Path("/usr/sbin/dockerd")
-INSTALL_HINT = "run scripts/install-system-deps.sh (Debian's docker.io, debootstrap)"
+INSTALL_HINT = "run scripts/install-system-deps.sh --docker (a Docker engine, debootstrap)"
+
+
+def _dockerd() -> Path | None:
+    """The daemon to start: Debian's (/usr/sbin) or Docker CE's (/usr/bin), whichever is here."""
+    found = shutil.which("dockerd") or shutil.which("dockerd", path="/usr/sbin:/usr/bin")
+    return Path(found) if found else None
 IMAGE_PREFIX = "lora-sidecar-test"
 
 
@@ -116,14 +122,15 @@ def docker_engine(workdir: Path) -> Iterator[Docker]:
     if docker.answers():
         yield docker
         return
-    if not DEBIAN_DOCKERD.exists():
+    dockerd = _dockerd()
+    if dockerd is None:
         raise DockerError(f"no Docker engine answers and dockerd is not installed: {INSTALL_HINT}")
     if os.geteuid() != 0:
         raise DockerError("no Docker engine answers, and starting dockerd needs root: start "
                           "Docker (systemctl start docker) or run the tests as root")
     log_path = workdir / "dockerd.log"
     with log_path.open("wb") as log:
-        daemon = subprocess.Popen([str(DEBIAN_DOCKERD)], stdout=log, stderr=subprocess.STDOUT,
+        daemon = subprocess.Popen([str(dockerd)], stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)
     try:
         deadline = time.monotonic() + 60

@@ -61,12 +61,15 @@ def _s3(moto_url: str) -> Any:
                         aws_access_key_id="testing", aws_secret_access_key="testing")
 
 
-def upload_folder(moto_url: str, bucket: str, adapter_id: str, folder: Path) -> None:
-    """An adapter folder's files, into the registry under `adapter_id` (symlinks and
-    sub-folders cannot be objects)."""
+def upload_folder(moto_url: str, bucket: str, adapter_id: str, folder: Path,
+                  only: Sequence[str] | None = None) -> None:
+    """An adapter folder's files (or `only` these), into the registry under `adapter_id`
+    (symlinks and sub-folders cannot be objects)."""
     client = _s3(moto_url)
     try:
         for path in sorted(folder.iterdir()):
+            if only is not None and path.name not in only:
+                continue
             if path.is_file() and not path.is_symlink():
                 client.put_object(Bucket=bucket, Key=f"{PREFIX}/{adapter_id}/{path.name}",
                                   Body=path.read_bytes())
@@ -94,9 +97,10 @@ class EngineNode:
 
     # ---- the registry -------------------------------------------------------------------
 
-    def upload(self, adapter_id: str, folder: Path) -> None:
-        """Put an adapter folder's files into the registry under `adapter_id`."""
-        upload_folder(self.moto_url, self.bucket, adapter_id, folder)
+    def upload(self, adapter_id: str, folder: Path, only: Sequence[str] | None = None) -> None:
+        """Put an adapter folder's files (or `only` these) into the registry under
+        `adapter_id`."""
+        upload_folder(self.moto_url, self.bucket, adapter_id, folder, only)
 
     # ---- clients ----------------------------------------------------------------------
 

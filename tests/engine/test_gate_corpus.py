@@ -3,7 +3,7 @@ real engine on its own (vLLM offline, one engine kept alive across adapters, a f
 dies) and through `lora-sidecar validate`; the gate must refuse every adapter the engine refuses,
 dies of, serves wrongly or emptily, or that disturbs the next adapter's answer, and accept every
 adapter the engine serves correctly (its text equal to transformers + peft's), unless the case
-names the policy the gate refuses it for (a pickle beside the weights, an ambiguous header...).
+names the policy the gate refuses it for (new embeddings, an ambiguous header...).
 
 Every new rule of the gate gets its case here.
 """
@@ -53,10 +53,9 @@ POLICY = {
                                  "with '{'; other readers may refuse it",
     "duplicate_names": "safetensors header ambiguity: readers differ on which entry wins",
     "unknown_entry_key": "safetensors header ambiguity: keys this reader ignores",
-    "bin_beside_safetensors": "a pickle beside the weights can run code in other loaders",
-    "tokenizer_config": "older vLLM loads a tokenizer (with remote code) from the adapter",
-    "unlisted_file": "only listed files are staged",
-    "sub_folder": "an adapter is one flat folder",
+    "pickle_weights_only": "the engine would torch.load the pickle, which can run code",
+    "new_embeddings": "vLLM 0.13 ignores new embeddings: the adapter would not answer as "
+                      "trained; older versions unpickle them",
     "symlink": "a link's target can change behind the published path",
     "checksum_mismatch": "the files are not what SHA256SUMS says was uploaded",
     "base_model_mismatch": "the operator's --base-model",

@@ -42,10 +42,12 @@ class TritonNode:
 
 def start_triton_node(workdir: Path, *, env: dict[str, str] | None = None,
                       sidecar_port: int | None = None, http_port: int | None = None,
-                      cache_root: Path | None = None) -> TritonNode:
+                      cache_root: Path | None = None, hold_s: float = 0.0) -> TritonNode:
     """A Triton with the router loaded, its vllm_model reading `cache_root`'s catalog. Proxy
     variables and no no_proxy in its environment, as in many corporate containers: the
-    router's calls to the sidecar must still go straight to it."""
+    router's calls to the sidecar must still go straight to it. The router answers at once
+    what it would otherwise hold (`hold_s` 0): these tests drive the catalog's reloads by
+    hand; the hold itself is tested with its own router load."""
     workdir.mkdir(parents=True, exist_ok=True)
     cache_root = cache_root or workdir / "cache"
     cache_root.mkdir(exist_ok=True)
@@ -62,7 +64,7 @@ def start_triton_node(workdir: Path, *, env: dict[str, str] | None = None,
         raise
     node = TritonNode(server, cache_root, sidecar_port or free_port(), fail_flag, proxy)
     try:
-        server.load(ROUTER, router_config(node.sidecar_url))
+        server.load(ROUTER, router_config(node.sidecar_url, hold_s=f"{hold_s:g}"))
     except BaseException:
         node.stop()
         raise
@@ -108,9 +110,9 @@ async def node_sidecar(
         sidecar = await start_sidecar(s3_settings(tmp_path, s3, **values))
         # The daemon's own first sync queues behind this one on the catalog's lock; the second
         # call returns after it, so no listing is left to race with what the test uploads.
-        await sidecar.catalog.sync()
-        await sidecar.catalog.sync()
-        status = sidecar.catalog.status()
+        await sidecar.reloads.sync()
+        await sidecar.reloads.sync()
+        status = sidecar.reloads.status()
         if values["triton_url"] is not None:
             assert status["triton"]["loaded_generation"] == status["generation"], (
                 f"{status}\n{triton_node.server.log_tail()}")

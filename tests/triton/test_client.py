@@ -42,7 +42,7 @@ def test_bad_sampling_parameters_are_a_usage_error(
 def test_client_in_the_projects_own_venv_names_the_extra_then_works_with_it(
     tmp_path: Path,
 ) -> None:
-    """The venv `make run` makes (`pip install -e .`: tritonclient's HTTP part only) gets a
+    """The venv `make run` makes (`pip install -e .`: no tritonclient at all) gets a
     clear answer naming the `triton` extra, not tritonclient's traceback; with the extra, as the
     README says, the client runs (here: against a port where nothing listens)."""
     venv = tmp_path / "venv"

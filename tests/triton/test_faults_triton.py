@@ -104,7 +104,7 @@ async def test_one_probe_answered_503_neither_reloads_nor_stops_stage(
 
     assert during[0] == 200, during
     assert proxy.repository_calls() == before
-    assert sidecar.catalog.status()["triton"]["state"] == "serving"
+    assert sidecar.reloads.status()["triton"]["state"] == "serving"
 
 
 async def test_a_hung_probe_holds_nothing_and_ends_as_one_failed_probe(
@@ -123,7 +123,7 @@ async def test_a_hung_probe_holds_nothing_and_ends_as_one_failed_probe(
     bound_s = time.monotonic() - started
     answer = await ask(grpc, "b", "x")
     await asyncio.sleep(1.5)  # past the probe's own timeout
-    state_after_timeout = sidecar.catalog.status()["triton"]["state"]
+    state_after_timeout = sidecar.reloads.status()["triton"]["state"]
     proxy.hang_ready.set()
     proxy.hang_ready = None
     await next_probe(proxy)
@@ -132,7 +132,7 @@ async def test_a_hung_probe_holds_nothing_and_ends_as_one_failed_probe(
     assert bound_s < 1.0
     assert answer == expected_text(weights["b"], "x")
     assert state_after_timeout == "suspect"  # one failed probe: no evidence of a lost engine
-    assert sidecar.catalog.status()["triton"]["state"] == "serving"
+    assert sidecar.reloads.status()["triton"]["state"] == "serving"
     assert proxy.repository_calls() == before
 
 
@@ -147,12 +147,12 @@ async def test_triton_unreachable_for_a_while_is_declared_lost_then_taken_back_w
 
     proxy.down = True
     deadline = time.monotonic() + 30
-    while sidecar.catalog.status()["triton"]["state"] != "unreachable":
+    while sidecar.reloads.status()["triton"]["state"] != "unreachable":
         assert time.monotonic() < deadline
         await asyncio.sleep(0.1)
     lost = await stage(http, sidecar, "a-v1")
     proxy.down = False
-    while sidecar.catalog.status()["triton"]["state"] != "serving":
+    while sidecar.reloads.status()["triton"]["state"] != "serving":
         assert time.monotonic() < deadline
         await asyncio.sleep(0.1)
 
@@ -173,21 +173,21 @@ async def test_during_an_on_change_reload_what_the_serving_engine_loaded_stays_s
             tmp_path, s3, cache_root=node.cache_root, port=node.sidecar_port,
             triton_url=node.server.http_url, triton_reload_min_interval_s=0.0,
             base_model_config=base_config(tmp_path)))
-        await sidecar.catalog.sync()
+        await sidecar.reloads.sync()
         assert (await stage(http, sidecar, "listed"))[0] == 200
-        sidecar.catalog.request_compaction()
-        await sidecar.catalog.sync()  # generation 2 lists it by its own name
+        sidecar.reloads.request_compaction()
+        await sidecar.reloads.sync()  # generation 2 lists it by its own name
         status, body = await stage(http, sidecar, "bound")
         assert status == 200 and body["lora_name"].startswith("_spare-g2-"), body
 
         status, _ = await call(http, "POST", f"{sidecar.url}/catalog/compact", {})
         assert status == 202
         deadline = time.monotonic() + 30
-        while not sidecar.catalog.status()["triton"]["reloading"]:
+        while not sidecar.reloads.status()["triton"]["reloading"]:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
         during = {a: await stage(http, sidecar, a) for a in ("listed", "bound", "fresh")}
-        while sidecar.catalog.status()["triton"]["reloading"]:
+        while sidecar.reloads.status()["triton"]["reloading"]:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
 

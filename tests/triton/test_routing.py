@@ -346,6 +346,82 @@ async def test_cache_full_that_waiting_cannot_fix_is_answered_at_once(stub: Stub
     assert len(stub.staged) == 1
 
 
+# ---- held while no engine serves -------------------------------------------------------------
+
+
+async def held_route(stub: StubSidecar, vllm: FakeVllm, clock: FakeClock,
+                     **settings: Any) -> tuple[str, Any, list[str]]:
+    """route() with a router's Holds on a fake clock; the text, the holds and what it said."""
+    config = routing.RouterSettings(sidecar_url=stub.url, **settings)
+    holds = routing.Holds(config, clock=clock, pause=clock.pause)
+    said: list[str] = []
+    text: str = await asyncio.to_thread(
+        routing.route, "Say hi", "a1", None, new_client(config), vllm, "vllm_model",
+        lambda message: None, holds, said.append)
+    return text, holds, said
+
+
+@pytest.mark.parametrize("code", ["catalog_reloading", "catalog_pending"])
+async def test_a_request_arriving_during_a_reload_is_held_and_answered(
+    stub: StubSidecar, code: str,
+) -> None:
+    waiting = (503, error_body(code, "Triton is loading vllm_model"))
+    stub.stage_replies = [waiting, waiting, waiting]
+    clock = FakeClock()
+
+    text, holds, said = await held_route(stub, FakeVllm(), clock)
+
+    assert text == "hello world"
+    assert len(stub.staged) == 4 and len(clock.pauses) == 3
+    assert holds.held == 0  # given back
+    assert stub.released == ["lease-a1"]
+    assert "held" in said[0]
+
+
+@pytest.mark.parametrize("message", [
+    "Request for unknown model: 'vllm_model' is not found",  # unloaded: unload-first
+    "Error generating stream: EngineCore encountered an issue.",  # restarted by the sidecar
+    "LoRA _spare-g3-0007 is not supported, we currently support ['a1']",  # twice
+])
+async def test_a_request_the_engine_cannot_serve_yet_is_held_and_staged_again(
+    stub: StubSidecar, message: str,
+) -> None:
+    vllm = FakeVllm(errors=[routing.VllmError(message, "NOT_FOUND")] * 3)
+    clock = FakeClock()
+
+    text, holds, _ = await held_route(stub, vllm, clock)
+
+    assert text == "hello world"
+    assert len(vllm.calls) == len(stub.staged) == 4
+    assert stub.released == ["lease-a1"] * 4  # every lease given back
+    assert holds.held == 0
+
+
+async def test_past_hold_s_the_request_fails_with_the_retryable_error(
+    stub: StubSidecar,
+) -> None:
+    stub.stage_replies = [(503, error_body("catalog_reloading", "Triton is loading"))] * 1000
+    clock = FakeClock()
+
+    with pytest.raises(routing.RouteError) as caught:
+        await held_route(stub, FakeVllm(), clock, hold_s=20.0)
+
+    assert caught.value.status is Status.UNAVAILABLE
+    assert "(catalog_reloading)" in caught.value.message and "held" in caught.value.message
+    assert 18.0 <= clock.now_s <= 20.0
+
+
+async def test_past_max_held_requests_a_request_fails_at_once(stub: StubSidecar) -> None:
+    stub.stage_replies = [(503, error_body("catalog_pending", "not loaded yet"))]
+    clock = FakeClock()
+
+    with pytest.raises(routing.RouteError) as caught:
+        await held_route(stub, FakeVllm(), clock, max_held_requests=0)
+
+    assert caught.value.status is Status.UNAVAILABLE
+    assert clock.pauses == [] and len(stub.staged) == 1
+
+
 # ---- vLLM's refusals -------------------------------------------------------------------------
 
 

@@ -19,7 +19,7 @@ import pytest
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from sidecar.catalog.generations import NoopAdapter
+from sidecar.catalog.disk import NoopAdapter
 from sidecar.config import LLAMA_TARGET_MODULES
 from sidecar.validation.shapes import TINY_LLAMA
 from tests.conftest import S3Registry, StartSidecar, call, s3_settings
@@ -94,8 +94,9 @@ async def test_twenty_new_adapters_are_served_without_a_reload_while_another_ten
     assert proxy.repository_calls() == before  # no load, no unload
     assert errors == []
     assert answers > 0
-    bound = sidecar.catalog.status()["spares"]["bound"]
-    assert sorted(bound.values()) == sorted(["steady-v1", *(f"new-{n}-v1" for n in range(20))])
+    bound = sidecar.reloads.status()["spares"]["bound"]
+    assert sorted(v.split("@")[0] for v in bound.values()) == sorted(
+        ["steady-v1", *(f"new-{n}-v1" for n in range(20))])
 
 
 async def test_running_out_of_spares_costs_one_compaction_then_every_adapter_answers(
@@ -112,7 +113,7 @@ async def test_running_out_of_spares_costs_one_compaction_then_every_adapter_ans
         assert await ask(grpc, adapter_id, "again") == expected_text(data, "again")
 
     assert len(proxy.repository_calls()) - before == 1
-    status = sidecar.catalog.status()
+    status = sidecar.reloads.status()
     assert status["generation"] == 2
     assert sorted(status["adapter_ids"]) == [f"t{n}-v1" for n in range(4)]
 
@@ -134,16 +135,16 @@ async def test_direct_calls_with_every_catalogued_name_leave_the_engine_serving(
 
     await stage("own-gone")
     await stage("own-here")
-    sidecar.catalog.request_compaction()
-    await sidecar.catalog.sync()  # generation 2 lists both by their own names
-    bound_gone = await stage("bound-gone")  # evicts own-gone: its name goes to a no-op
+    sidecar.reloads.request_compaction()
+    await sidecar.reloads.sync()  # generation 2 lists both by their own names
+    bound_gone = await stage("bound-gone")  # evicts own-gone: its name is parked at a no-op
     await stage("own-here")
-    bound_here = await stage("bound-here")  # evicts bound-gone: its spare keeps the files
+    bound_here = await stage("bound-here")  # evicts bound-gone: parked too
     assert not (triton_node.cache_root / "adapters" / "bound-gone").exists()
     calls = len(proxy.repository_calls())
-    status = sidecar.catalog.status()
-    assert status["retired"] == ["own-gone"]
-    names = sorted(status["adapter_ids"]) + [f"_spare-g2-00{n}" for n in range(1, 5)]
+    status = sidecar.reloads.status()
+    assert sorted(status["spares"]["parked"]) == sorted(["own-gone", bound_gone])
+    names = sorted(status["adapter_ids"]) + [f"_spare-g2-000{n}" for n in range(1, 5)]
     unbound = [n for n in names if n.startswith("_spare-") and n not in (bound_gone, bound_here)]
     url = triton_node.server.grpc_url
     sampling = {"temperature": 0, "max_tokens": 64}
@@ -156,16 +157,22 @@ async def test_direct_calls_with_every_catalogued_name_leave_the_engine_serving(
     assert answers == {
         "own-gone": noop,  # evicted: its own name answers like the base model
         "own-here": expected_text(files["own-here"], "Hi"),
-        bound_gone: expected_text(files["bound-gone"], "Hi"),  # kept until the generation ends
+        bound_gone: noop,  # evicted: parked at its no-op, no copy of its bytes kept
         bound_here: expected_text(files["bound-here"], "Hi"),
         **{spare: noop for spare in unbound},
     }
     with pytest.raises(RuntimeError, match="LoRA late is not supported"):
         await asyncio.to_thread(direct_call, url, "Hi", {**sampling, "lora_name": "late"})
-    # The engine serves on; no reload was needed; the spares read directly are never bound.
+    # The engine serves on; no reload was needed; every name whose no-op was read directly is
+    # never handed out again (the engine holds the no-op under it now).
     assert len(proxy.repository_calls()) == calls
     assert await ask(grpc, "own-here", "x") == expected_text(files["own-here"], "x")
-    assert sorted(sidecar.catalog.status()["spares"]["burnt"]) == sorted(unbound)
+    await wait_for(lambda: sorted(sidecar.reloads.status()["spares"]["burnt"]) == sorted(
+        [*unbound, "own-gone", bound_gone]), timeout_s=10)
+    # Both evicted adapters come back under fresh names, and answer with their own bytes.
+    for adapter_id in ("own-gone", "bound-gone"):
+        answer, _ = await ask_until_served(grpc, adapter_id, "x")
+        assert answer == expected_text(files[adapter_id], "x")
     answer, _ = await ask_until_served(grpc, "late", "x")
     assert answer == expected_text(files["late"], "x")
 
@@ -182,17 +189,18 @@ async def test_bindings_survive_a_sidecar_restart_and_a_triton_restart_on_the_sa
                                base_model_config=write_base_config(tmp_path))
         files = {a: s3.put_adapter(a, seed=400 + n)[WEIGHTS] for n, a in enumerate(("a", "b"))}
         first = await start_sidecar(settings)
-        await first.catalog.sync()
+        await first.reloads.sync()
         async with grpcclient.InferenceServerClient(node.server.grpc_url) as client:
             assert await ask(client, "a", "x") == expected_text(files["a"], "x")
         await first.stop()
 
         second = await start_sidecar(settings)  # binds b: a second binding, a new process
-        await second.catalog.sync()
+        await second.reloads.sync()
         async with grpcclient.InferenceServerClient(node.server.grpc_url) as client:
             assert await ask(client, "b", "x") == expected_text(files["b"], "x")
             assert await ask(client, "a", "y") == expected_text(files["a"], "y")
-        bound = second.catalog.status()["spares"]["bound"]
+        bound = {spare: version.split("@")[0] for spare, version
+                 in second.reloads.status()["spares"]["bound"].items()}
         assert sorted(bound.values()) == ["a", "b"]
 
         reloads = second.metrics.registry.get_sample_value(
@@ -207,7 +215,7 @@ async def test_bindings_survive_a_sidecar_restart_and_a_triton_restart_on_the_sa
         await wait_for(lambda: (second.metrics.registry.get_sample_value(
             "lora_sidecar_triton_reloads_total", {"outcome": "ok"}) or 0.0) > reloads)
 
-        assert second.catalog.status()["generation"] == 1  # the same catalog, not a new one
+        assert second.reloads.status()["generation"] == 1  # the same catalog, not a new one
         url = node.server.grpc_url
         for spare, adapter_id in bound.items():
             direct = await asyncio.to_thread(direct_call, url, "z",
@@ -235,10 +243,10 @@ async def test_an_engine_killed_on_purpose_is_reported_unavailable_and_serves_ag
     assert status == 200, body
     name = body["lora_name"]  # bound, never used: the engine has not read it
     await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "victim-v1"})
-    # Tampering behind the sidecar's back: the spare's kept files go, so the engine finds
+    # Tampering behind the sidecar's back: the parked name's no-op goes, so the engine finds
     # nothing at a catalogued path it has never read: vLLM dies on that.
-    generation = sidecar.catalog.status()["generation"]
-    shutil.rmtree(triton_node.cache_root / "catalog" / f"g{generation}" / "kept" / name)
+    generation = sidecar.reloads.status()["generation"]
+    shutil.rmtree(triton_node.cache_root / "catalog" / f"g{generation}" / "noop" / name)
     proxy.calls.clear()
     killed_at = time.monotonic()
     with pytest.raises(RuntimeError, match="EngineCore encountered an issue"):
@@ -254,8 +262,8 @@ async def test_an_engine_killed_on_purpose_is_reported_unavailable_and_serves_ag
     assert "engine is down and is being restarted" in unavailable[0], unavailable
     assert any(c.endswith("/load") for c in proxy.repository_calls())
     assert served_after_s < 60
-    # The reloaded engine lists the same generation, with the tampered name on a no-op.
-    assert name in sidecar.catalog.status()["spares"]["burnt"]
+    # The reloaded engine lists the same generation, with the tampered name on a no-op again.
+    assert name in sidecar.reloads.status()["spares"]["parked"]
     answer = "".join(await asyncio.to_thread(direct_call, triton_node.server.grpc_url, "x",
                                              {"temperature": 0, "lora_name": name}))
     assert answer == expected_text(NOOP_WEIGHTS, "x", max_tokens=16)

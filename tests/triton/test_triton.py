@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import aiohttp
@@ -18,7 +19,7 @@ from sidecar.app import Sidecar
 from sidecar.config import TritonReload
 from tests.conftest import S3Registry, call
 from tests.triton.conftest import StartNodeSidecar, TritonNode, ask, direct_call
-from tests.triton.harness import VLLM_MODEL
+from tests.triton.harness import ROUTER, VLLM_MODEL, router_config
 from tests.triton.standin_vllm.answer import expected_text
 
 WEIGHTS = "adapter_model.safetensors"
@@ -158,7 +159,7 @@ async def test_without_spare_names_a_new_adapter_is_served_after_one_reload(
     assert status_of(error) == "UNAVAILABLE"
     assert "(catalog_pending)" in error.message()
     assert "spare names are off" in error.message()
-    await sidecar.catalog.sync()  # the refusal planned a compaction; this carries it out
+    await sidecar.reloads.sync()  # the refusal planned a compaction; this carries it out
 
     status, catalog = await call(http, "GET", f"{sidecar.url}/catalog")
     assert status == 200
@@ -172,7 +173,7 @@ async def test_without_spare_names_a_new_adapter_is_served_after_one_reload(
     assert await ask(grpc, "fresh-v1", "hi") == expected_text(files[WEIGHTS], "hi")
     error = await router_error(grpc, "first-v1")  # staged now: it waits for the next one
     assert "(catalog_pending)" in error.message()
-    await sidecar.catalog.sync()
+    await sidecar.reloads.sync()
     assert await ask(grpc, "first-v1", "hi") == expected_text(first[WEIGHTS], "hi")
 
 
@@ -183,10 +184,37 @@ async def test_unload_first_reload_serves_the_new_adapter_after_the_downtime(
     files = s3.put_adapter("after-v1", seed=10)
     await router_error(grpc, "after-v1")
 
-    await sidecar.catalog.sync()
+    await sidecar.reloads.sync()
 
-    assert sidecar.catalog.status()["triton"]["loaded_generation"] == 2
+    assert sidecar.reloads.status()["triton"]["loaded_generation"] == 2
     assert await ask(grpc, "after-v1", "x") == expected_text(files[WEIGHTS], "x")
+
+
+async def test_a_request_no_engine_can_serve_yet_is_held_through_an_unload_first_reload(
+    triton_node: TritonNode, s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any
+) -> None:
+    # The router as checked in holds such requests; this module's is loaded with hold_s 0.
+    await asyncio.to_thread(triton_node.server.load, ROUTER,
+                            router_config(triton_node.sidecar_url, hold_s="120"))
+    try:
+        sidecar = await node_sidecar(triton_reload=TritonReload.UNLOAD_FIRST, spare_names=0)
+        files = s3.put_adapter("held-v1", seed=14)
+        reloads = sidecar.metrics.registry.get_sample_value(
+            "lora_sidecar_triton_reloads_total", {"outcome": "ok"})
+        started = time.monotonic()
+
+        # One call, no retry: the sidecar says no engine names it (spares off), plans the
+        # reload that lists it, and the router holds the call through the unload and load.
+        answer = await ask(grpc, "held-v1", "x")
+
+        assert answer == expected_text(files[WEIGHTS], "x")
+        assert time.monotonic() - started > 0.05
+        assert sidecar.metrics.registry.get_sample_value(
+            "lora_sidecar_triton_reloads_total", {"outcome": "ok"}) == (reloads or 0) + 1
+        assert sidecar.store.snapshot().active_leases == 0
+    finally:
+        await asyncio.to_thread(triton_node.server.load, ROUTER,
+                                router_config(triton_node.sidecar_url, hold_s="0"))
 
 
 async def test_a_failed_reload_leaves_the_old_catalog_serving(
@@ -195,17 +223,17 @@ async def test_a_failed_reload_leaves_the_old_catalog_serving(
     old = s3.put_adapter("old-v1", seed=12)
     sidecar = await node_sidecar(spare_names=0)
     await router_error(grpc, "old-v1")
-    await sidecar.catalog.sync()
+    await sidecar.reloads.sync()
     assert await ask(grpc, "old-v1", "x") == expected_text(old[WEIGHTS], "x")
     s3.put_adapter("new-v1", seed=13)
     await router_error(grpc, "new-v1")
     triton_node.fail_flag.touch()
     try:
-        await sidecar.catalog.sync()
+        await sidecar.reloads.sync()
     finally:
         triton_node.fail_flag.unlink()
 
-    triton = sidecar.catalog.status()["triton"]
+    triton = sidecar.reloads.status()["triton"]
     assert triton["loaded_generation"] == 2
     assert triton["pending"] == 3
     assert "CUDA out of memory (simulated" in triton["last_reload_error"]
@@ -226,7 +254,7 @@ async def test_the_standin_keeps_the_stock_vllm_backends_contract(
     status, _ = await call(http, "POST", f"{sidecar.url}/stage",
                            {"adapter_id": "contract-v1", "lease": False})
     assert status == 503  # staged; listed by the compaction this planned
-    await sidecar.catalog.sync()
+    await sidecar.reloads.sync()
     url, lora = triton_node.server.grpc_url, {"lora_name": "contract-v1", "temperature": 0}
     expected = expected_text(weights, "Hi", max_tokens=16)
 
@@ -257,7 +285,7 @@ async def test_a_restarted_sidecar_takes_over_the_loaded_engine_without_unloadin
 
     second = await node_sidecar(triton_reload=TritonReload.UNLOAD_FIRST)
 
-    assert second.catalog.status()["triton"]["loaded_generation"] == 1
+    assert second.reloads.status()["triton"]["loaded_generation"] == 1
     assert triton_node.server.log_text().count("successfully unloaded 'vllm_model'") == unloads
     assert await ask(grpc, "steady-v1", "x") == expected_text(files[WEIGHTS], "x")
 

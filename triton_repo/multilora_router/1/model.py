@@ -42,6 +42,7 @@ class TritonPythonModel:
         }
         self._settings = routing.RouterSettings.from_deployment(parameters, os.environ)
         self._sidecar = routing.SidecarClient(self._settings)
+        self._holds = routing.Holds(self._settings)
         self._logger = pb_utils.Logger
         self._pool = ThreadPoolExecutor(max_workers=self._settings.max_concurrent_requests,
                                         thread_name_prefix="router")
@@ -90,6 +91,8 @@ class TritonPythonModel:
                 generate=self._generate,
                 vllm_model=self._settings.vllm_model,
                 warn=self._logger.log_warn,
+                holds=self._holds,
+                info=self._logger.log_info,
                 on_lease=leases.append,
             )
             response = self._response(text, leases[-1], call.request_id)

@@ -53,6 +53,9 @@ SAMPLING_KEYS: Mapping[str, tuple[type, ...]] = {
 }
 _RETRY_FIRST_S = 0.05
 _RETRY_MAX_S = 1.0
+# What says no engine serves a catalog that names the adapter yet (a reload in progress, a
+# generation being loaded, the engine restarting): held, not failed, up to `hold_s`.
+_HOLD_CODES = frozenset({"catalog_reloading", "catalog_pending"})
 _RESPONSE_LIMIT_BYTES = 1024 * 1024
 # Idle keep-alive connections to the sidecar are kept at most this long: aiohttp closes its
 # side after 75 s, and a connection taken just as the server closes it costs a retry.
@@ -74,12 +77,13 @@ class RouteError(Exception):
     """A request the router cannot answer; `status` becomes the Triton error code."""
 
     def __init__(self, status: Status, message: str, code: str | None = None,
-                 retryable: bool = False) -> None:
+                 retryable: bool = False, holdable: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code  # the sidecar's error code, when the sidecar refused
         self.retryable = retryable  # worth asking again before the stage deadline
+        self.holdable = holdable  # no engine serves it now, one will: held up to hold_s
 
 
 class VllmError(Exception):
@@ -126,6 +130,8 @@ class RouterSettings:
     api_token: str | None = None
     adapter_id_header: str = "x-adapter-id"
     max_concurrent_requests: int = 128
+    hold_s: float = 180.0  # longest a request waits for an engine to serve (a reload)
+    max_held_requests: int = 128  # held at once per instance; past it, UNAVAILABLE at once
 
     @classmethod
     def from_parameters(cls, parameters: Mapping[str, str]) -> RouterSettings:
@@ -136,14 +142,16 @@ class RouterSettings:
         if not url.startswith(("http://", "https://")):
             problems.append(f"sidecar_url {url!r}: use http://host:port")
         timeouts: dict[str, float] = {}
-        for name in ("stage_timeout_s", "sidecar_timeout_s"):
+        for name in ("stage_timeout_s", "sidecar_timeout_s", "hold_s"):
             raw = parameters.get(name, str(getattr(default, name)))
             try:
                 timeouts[name] = float(raw)
             except ValueError:
-                timeouts[name] = 0.0
-            if not (math.isfinite(timeouts[name]) and timeouts[name] > 0):
-                problems.append(f"{name} {raw!r}: must be a number of seconds greater than 0")
+                timeouts[name] = -1.0
+            least = 0.0 if name == "hold_s" else math.nextafter(0.0, 1.0)
+            if not (math.isfinite(timeouts[name]) and timeouts[name] >= least):
+                problems.append(f"{name} {raw!r}: must be a number of seconds "
+                                + ("0 or more" if name == "hold_s" else "greater than 0"))
         vllm_model = parameters.get("vllm_model", default.vllm_model).strip()
         if not vllm_model:
             problems.append("vllm_model must name the vLLM model")
@@ -159,6 +167,13 @@ class RouterSettings:
         if not 1 <= concurrency <= 4096:
             problems.append(f"max_concurrent_requests {raw!r}: must be a whole number "
                             "from 1 to 4096")
+        raw = parameters.get("max_held_requests", str(default.max_held_requests))
+        try:
+            held = int(raw)
+        except ValueError:
+            held = -1
+        if held < 0:
+            problems.append(f"max_held_requests {raw!r}: must be a whole number, 0 or more")
         token: str | None = None
         token_file = parameters.get("sidecar_api_token_file", "").strip()
         if token_file:
@@ -169,7 +184,7 @@ class RouterSettings:
         if problems:
             raise ValueError("multilora_router parameters: " + "; ".join(problems))
         return cls(url, timeouts["stage_timeout_s"], timeouts["sidecar_timeout_s"], vllm_model,
-                   token, header, concurrency)
+                   token, header, concurrency, timeouts["hold_s"], held)
 
     @classmethod
     def from_deployment(cls, parameters: Mapping[str, str],
@@ -353,7 +368,7 @@ class SidecarClient:
     def __init__(self, settings: RouterSettings,
                  clock: Callable[[], float] = time.monotonic,
                  pause: Callable[[float], None] = time.sleep) -> None:
-        self._settings = settings
+        self.settings = settings
         self._clock = clock
         self._pause = pause
         self._connections = _Connections(settings.sidecar_url, time.monotonic)
@@ -361,7 +376,7 @@ class SidecarClient:
 
     def stage(self, adapter_id: str) -> Lease:
         """Stage `adapter_id`, waiting out a cache full of leased adapters until the deadline."""
-        deadline = self._clock() + self._settings.stage_timeout_s
+        deadline = self._clock() + self.settings.stage_timeout_s
         delay_s = _RETRY_FIRST_S
         while True:
             remaining_s = max(deadline - self._clock(), 0.001)
@@ -369,7 +384,7 @@ class SidecarClient:
                 # The sidecar's own timeout runs out first, so a slow download is answered
                 # with its stage_timeout error rather than with a socket timeout here.
                 body = self._post("/stage", {"adapter_id": adapter_id, "timeout_s": remaining_s},
-                                  timeout_s=remaining_s + self._settings.sidecar_timeout_s)
+                                  timeout_s=remaining_s + self.settings.sidecar_timeout_s)
             except RouteError as exc:
                 # A cache full of leased adapters clears as soon as a lease is released.
                 if not exc.retryable or self._clock() + delay_s >= deadline:
@@ -389,15 +404,15 @@ class SidecarClient:
                                  f"sidecar's /stage answer has no {exc.args[0]!r}") from exc
 
     def release(self, lease_id: str) -> None:
-        self._post("/release", {"lease_id": lease_id}, timeout_s=self._settings.sidecar_timeout_s)
+        self._post("/release", {"lease_id": lease_id}, timeout_s=self.settings.sidecar_timeout_s)
 
     def close(self) -> None:
         self._connections.close()
 
     def _post(self, path: str, payload: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
         headers = {"Content-Type": "application/json"}
-        if self._settings.api_token:
-            headers["Authorization"] = f"Bearer {self._settings.api_token}"
+        if self.settings.api_token:
+            headers["Authorization"] = f"Bearer {self.settings.api_token}"
         data = json.dumps(payload).encode()
         while True:
             connection, reused = self._connections.take(timeout_s)
@@ -427,7 +442,7 @@ class SidecarClient:
     def _unreachable(self, path: str, reason: str) -> RouteError:
         return RouteError(
             Status.UNAVAILABLE,
-            f"sidecar unreachable at {self._settings.sidecar_url} ({path}): {reason}; "
+            f"sidecar unreachable at {self.settings.sidecar_url} ({path}): {reason}; "
             "check that lora-sidecar is running and the router's sidecar_url",
         )
 
@@ -467,7 +482,7 @@ def _sidecar_error(http_status: int, body: Mapping[str, Any], adapter_id: Any) -
     # cache_full is retried unless the sidecar says waiting cannot help (an adapter larger
     # than the whole budget).
     retryable = code == "cache_full" and body.get("retryable") is not False
-    return RouteError(status, f"{message} ({code})", code, retryable)
+    return RouteError(status, f"{message} ({code})", code, retryable, code in _HOLD_CODES)
 
 
 # What the stock backend and vLLM say when the engine died (the request that killed it, the
@@ -485,21 +500,87 @@ def _vllm_error(exc: VllmError, adapter_id: str, vllm_model: str) -> RouteError:
     message = exc.message if len(exc.message) <= 300 else exc.message[:300] + "..."
     if any(sign in exc.message for sign in _DEAD_ENGINE):
         return RouteError(Status.UNAVAILABLE, f"{vllm_model}'s engine is down and is being "
-                          f"restarted; retry with backoff (vLLM: {message})")
+                          f"restarted; retry with backoff (vLLM: {message})", holdable=True)
     if _not_listed(exc):
         # The adapter is on disk, but the catalog vllm_model loaded predates it.
         return RouteError(
             Status.UNAVAILABLE,
             f"{vllm_model} has not loaded a catalog that lists adapter {adapter_id} yet; "
-            f"retry after the sidecar's next catalog reload (vLLM: {message})",
+            f"retry after the sidecar's next catalog reload (vLLM: {message})", holdable=True,
         )
     if exc.code in ("UNAVAILABLE", "NOT_FOUND") or "not ready" in exc.message:
-        return RouteError(Status.UNAVAILABLE, f"{vllm_model} is not available: {message}")
+        # Unloaded for a reload (unload-first), or not loaded yet.
+        return RouteError(Status.UNAVAILABLE, f"{vllm_model} is not available: {message}",
+                          holdable=True)
     return RouteError(Status.INTERNAL,
                       f"{vllm_model} failed on adapter {adapter_id}: {message}")
 
 
 Generate = Callable[[str, str], Iterable[str]]
+
+
+class Holds:
+    """Requests held while no engine serves them (a reload, a catalog not loaded yet, an engine
+    restarting): each waits with backoff up to `hold_s`, and at most `max_held_requests` wait at
+    once; past either bound the request fails with the retryable error it got. Thread-safe."""
+
+    def __init__(self, settings: RouterSettings, clock: Callable[[], float] = time.monotonic,
+                 pause: Callable[[float], None] = time.sleep) -> None:
+        self._hold_s = settings.hold_s
+        self._max = settings.max_held_requests
+        self._clock = clock
+        self._pause = pause
+        self._lock = threading.Lock()
+        self.held = 0  # requests waiting now
+
+    def start(self) -> Hold:
+        return Hold(self)
+
+    def _take(self) -> bool:
+        with self._lock:
+            if self.held >= self._max:
+                return False
+            self.held += 1
+            return True
+
+    def _give_back(self) -> None:
+        with self._lock:
+            self.held -= 1
+
+
+class Hold:
+    """One request's hold: `wait(error)` sleeps before the next attempt, or raises `error`."""
+
+    def __init__(self, holds: Holds) -> None:
+        self._holds = holds
+        self._since: float | None = None
+        self._taken = False
+        self._delay_s = _RETRY_FIRST_S
+        self.waits = 0
+
+    def wait(self, error: RouteError) -> None:
+        holds = self._holds
+        now = holds._clock()
+        if self._since is None:
+            self._since = now
+            self._taken = holds._hold_s > 0 and holds._take()
+            if not self._taken:
+                raise error  # holding is off, or enough requests wait already
+        if now + self._delay_s - self._since > holds._hold_s:
+            error.message += f" (held {now - self._since:.1f}s, the router's hold_s)"
+            raise error
+        holds._pause(self._delay_s * random.uniform(0.5, 1.0))
+        self._delay_s = min(self._delay_s * 2, _RETRY_MAX_S)
+        self.waits += 1
+
+    @property
+    def held_s(self) -> float:
+        return 0.0 if self._since is None else self._holds._clock() - self._since
+
+    def end(self) -> None:
+        if self._taken:
+            self._taken = False
+            self._holds._give_back()
 
 
 def route(
@@ -510,33 +591,56 @@ def route(
     generate: Generate,
     vllm_model: str = "vllm_model",
     warn: Callable[[str], None] = lambda message: None,
+    holds: Holds | None = None,
+    info: Callable[[str], None] = lambda message: None,
     on_lease: Callable[[Lease], None] = lambda lease: None,
 ) -> str:
     """Generated text for `prompt` with `adapter_id`; RouteError says why not.
 
     `generate(prompt, sampling_parameters_json)` yields text pieces (a decoupled BLS call in
-    Triton) and raises VllmError. The lease is released whatever happens after staging.
+    Triton) and raises VllmError. The lease is released whatever happens after staging. While
+    no engine serves the adapter (a reload) the request is held (`holds`), then answered.
     `on_lease` hears each lease before its generation (the last one heard answered).
     """
     if not adapter_id.strip():
         raise RouteError(Status.INVALID_ARG, "adapter_id is empty")
     sampling_parameters(sampling_json, adapter_id)  # refused before anything is staged
+    hold = (holds or Holds(replace(sidecar.settings, hold_s=0.0))).start()
     retried = False
-    while True:
-        lease = sidecar.stage(adapter_id)
-        on_lease(lease)
-        try:
-            return "".join(generate(prompt, sampling_parameters(sampling_json, lease.lora_name)))
-        except VllmError as exc:
-            # vllm_model loaded another catalog generation between the stage and the call
-            # (a spare name of the old one is unknown to the new engine): ask again, once.
-            if not retried and _not_listed(exc):
-                retried = True
-                continue
-            raise _vllm_error(exc, adapter_id, vllm_model) from exc
-        finally:
+    try:
+        while True:
             try:
-                sidecar.release(lease.lease_id)
+                lease = sidecar.stage(adapter_id)
             except RouteError as exc:
-                # The lease expires on its own (the sidecar's --lease-ttl); the answer stands.
-                warn(f"could not release lease {lease.lease_id} of {adapter_id}: {exc.message}")
+                if not exc.holdable:
+                    raise
+                hold.wait(exc)
+                continue
+            on_lease(lease)
+            try:
+                text = "".join(generate(prompt, sampling_parameters(sampling_json,
+                                                                    lease.lora_name)))
+            except VllmError as exc:
+                # vllm_model loaded another catalog generation between the stage and the call
+                # (a spare name of the old one is unknown to the new engine): ask again, once.
+                if not retried and _not_listed(exc):
+                    retried = True
+                    continue
+                error = _vllm_error(exc, adapter_id, vllm_model)
+                if not error.holdable:
+                    raise error from exc
+                hold.wait(error)
+                continue
+            finally:
+                try:
+                    sidecar.release(lease.lease_id)
+                except RouteError as exc:
+                    # The lease expires on its own (the sidecar's --lease-ttl); the answer stands.
+                    warn(f"could not release lease {lease.lease_id} of {adapter_id}: "
+                         f"{exc.message}")
+            if hold.waits:
+                info(f"{adapter_id}: answered after being held {hold.held_s:.2f}s while no "
+                     "engine served it")
+            return text
+    finally:
+        hold.end()

@@ -1,0 +1,149 @@
+"""The name a request must send vLLM for a staged adapter: the one use case that joins what the
+engine serves (reloads.py) and the names kept for it (catalog.py), for POST /stage and the
+tests alike. Also the cache as the catalog sees it (`StoreView`: versions on disk).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..cache.lru import CachedAdapter
+from ..cache.store import AdapterStore
+from ..fsutil import iso_utc
+from ..logs import fields
+from ..metrics import Metrics
+from ..validation.safetensors_check import check_safetensors
+from .catalog import Catalog, NoNameLeft
+from .disk import WEIGHTS_FILE, NoopAdapter
+from .name_state import NameEvent, Version
+from .reloads import Reloads
+
+log = logging.getLogger(__name__)
+
+REPLACED_MAX = 10_000  # ids whose registry bytes changed, remembered for GET /adapters
+
+
+class StoreView:
+    """The store's adapters as versions (id and content digest)."""
+
+    def __init__(self, store: AdapterStore, allowed_modules: tuple[str, ...]) -> None:
+        self._store = store
+        self._allowed = allowed_modules
+
+    def versions(self) -> list[Version]:
+        return [version_of(a) for a in self._store.adapters()]
+
+    def digest_of(self, adapter_id: str) -> str | None:
+        adapter = self._store.get(adapter_id)
+        return adapter.record.content_digest if adapter is not None else None
+
+    def noop_like(self) -> tuple[NoopAdapter, str] | None:
+        """Blocking. A no-op shaped like an adapter on disk (they passed validation: their
+        tensors are what the engine accepts), for when the base model's config is not given."""
+        for adapter in self._store.adapters():
+            path = self._store.path_of(adapter.adapter_id) / WEIGHTS_FILE
+            try:
+                with open(path, "rb") as f:
+                    check = check_safetensors(f, path.stat().st_size, Path(path))
+            except OSError:
+                continue
+            if check.tensors is None:
+                continue
+            noop = NoopAdapter.like({t.name: t.shape for t in check.tensors}, self._allowed)
+            if noop is not None:
+                return noop, f"adapter {adapter.adapter_id}"
+        return None
+
+
+def version_of(adapter: CachedAdapter) -> Version:
+    return Version(adapter.adapter_id, adapter.record.content_digest)
+
+
+class Naming:
+    """`lora_name(adapter)` for POST /stage; `status()` for GET /catalog."""
+
+    def __init__(self, catalog: Catalog, reloads: Reloads, store: AdapterStore,
+                 metrics: Metrics, wall: Callable[[], float] = time.time) -> None:
+        self.catalog = catalog
+        self.reloads = reloads
+        self._store = store
+        self._metrics = metrics
+        self._wall = wall
+        # adapter id -> (the digest named before, the digest now, when it was seen, unix)
+        self._replaced: dict[str, tuple[str, str, float]] = {}
+
+    async def lora_name(self, adapter: CachedAdapter) -> str:
+        """The name to send vLLM for a staged adapter. CatalogPending or CatalogReloading
+        when no engine serves a catalog that can name it (yet)."""
+        generation = self.reloads.naming_generation()
+        digest = adapter.record.content_digest
+        name = generation.serving_name(adapter.adapter_id, digest)
+        if name is not None:
+            return name  # the hit path
+        version = version_of(adapter)
+        self._note_replaced(generation.held_names_of(adapter.adapter_id), version)
+        try:
+            name, event = await self.catalog.name(
+                generation.number, version, lambda: self._store_holds(version))
+        except NoNameLeft as exc:
+            pending = self.reloads.no_name_left(adapter.adapter_id, generation, exc.why)
+            if not self.reloads.reloads:
+                # No Triton to reload: the next generation (rendered at once) lists it by its
+                # own name, and the operator's reload of Triton makes it servable.
+                return adapter.adapter_id
+            raise pending from None
+        if event is NameEvent.BIND:
+            self._metrics.catalog_bindings.inc()
+            left = len(generation.free_spares())
+            log.info("catalog: adapter %s served without a reload as %s (generation %d, %d spare "
+                     "names left)", adapter.adapter_id, name, generation.number, left,
+                     extra=fields(event="bound", adapter_id=adapter.adapter_id, lora_name=name,
+                                  generation=generation.number, spares_left=left,
+                                  digest=digest))
+        self.reloads.named(generation)
+        return name
+
+    def _store_holds(self, version: Version) -> bool:
+        adapter = self._store.get(version.adapter_id)
+        return adapter is not None and adapter.record.content_digest == version.digest
+
+    def _note_replaced(self, held: dict[Version, str], version: Version) -> None:
+        """Say once when an id comes back with other bytes than a name was given for: the
+        registry changed under the id, and the new bytes get a new name."""
+        others = [v for v in held if v.digest != version.digest]
+        if not others:
+            return
+        known = self._replaced.get(version.adapter_id)
+        if known is not None and known[1] == version.digest:
+            return
+        if len(self._replaced) >= REPLACED_MAX:
+            self._replaced.pop(next(iter(self._replaced)))
+        self._replaced[version.adapter_id] = (others[0].digest, version.digest, self._wall())
+        log.warning("catalog: the registry changed under adapter %s: its bytes are now %s, "
+                    "names given for %s never lead to them; they get a new name",
+                    version.adapter_id, version.digest, ", ".join(v.digest for v in others),
+                    extra=fields(event="registry_changed", adapter_id=version.adapter_id,
+                                 digest=version.digest, before=[v.digest for v in others]))
+
+    def replaced(self, adapter_id: str) -> dict[str, Any] | None:
+        """For GET /adapters: whether (and when) the registry changed under this id."""
+        known = self._replaced.get(adapter_id)
+        if known is None:
+            return None
+        return {"digest_before": known[0], "digest_now": known[1], "seen_at": iso_utc(known[2])}
+
+    # ---- GET /catalog and POST /catalog/compact ----------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return self.reloads.status()
+
+    def request_compaction(self) -> dict[str, Any]:
+        return self.reloads.request_compaction()
+
+    def problem(self) -> str | None:
+        return self.reloads.problem()
+
