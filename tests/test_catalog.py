@@ -1066,6 +1066,8 @@ async def test_stage_answers_the_name_to_send_and_catalog_shows_it(
     assert shown["generation"] == 1 and shown["next_compaction"] is None
     assert shown["names"]["states"]["bound"] == 1 and shown["names"]["changes"]["bound"] == 1
     assert shown["disk"]["catalog_bytes"] > shown["disk"]["noop_bytes"] > 0
+    assert shown["disk"]["adapter_bytes"] == body["size_bytes"]
+    assert shown["disk"]["max_bytes"] == sidecar.settings.max_bytes
     assert "on disk" in shown["rule"]
     metrics = (await (await http.get(f"{sidecar.url}/metrics")).text())
     assert "lora_sidecar_catalog_bindings_total 1.0" in metrics

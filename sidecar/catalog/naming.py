@@ -41,6 +41,9 @@ class StoreView:
         adapter = self._store.get(adapter_id)
         return adapter.record.content_digest if adapter is not None else None
 
+    def budget(self) -> tuple[int, int]:
+        return self._store.total_bytes, self._store.max_bytes
+
     def noop_like(self) -> tuple[NoopAdapter, str] | None:
         """Blocking. A no-op shaped like an adapter on disk (they passed validation: their
         tensors are what the engine accepts), for when the base model's config is not given."""

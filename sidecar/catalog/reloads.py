@@ -66,6 +66,10 @@ class DiskView(Protocol):
         """Blocking: a no-op shaped like an adapter on disk, and which one."""
         ...
 
+    def budget(self) -> tuple[int, int]:
+        """Bytes of the adapters on disk, and --max-bytes."""
+        ...
+
 
 class Reloads:
     """`start()` once the store has recovered, then `run()` as a background task."""
@@ -652,6 +656,8 @@ class Reloads:
                 "compact_below": self.compact_below(naming) if naming else None,
             },
             "disk": {
+                "adapter_bytes": self._disk.budget()[0],
+                "max_bytes": self._disk.budget()[1],
                 "catalog_bytes": catalog.disk_bytes,
                 "noop_bytes": catalog.noop.size_bytes if catalog.noop else 0,
                 "watched_noops": catalog.reads.watched,

@@ -1,0 +1,156 @@
+"""The ordinary day, measured: Zipf traffic through the router (vLLM on CPU behind the stock
+Triton backend, the engine tier's node) over a registry of adapters, with the disk budget at a
+quarter of the registry against a budget everything fits in, side by side in one run. Each
+phase starts a fresh node on an empty volume and runs the same traffic for the same time.
+
+Usage: python -m benchmarks.churn [--adapters 24] [--seconds 600] [--clients 4]
+Needs the engine environment (make engine-env, or LORA_ENGINE_VENV) and the stock backend
+(TRITON_VLLM_BACKEND_DIR, ../shared/vendor/vllm_backend, or a clone of its tag).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from moto.server import ThreadedMotoServer
+
+from tests.engine.harness import REPO_ROOT, build_assets, ensure_engine_env, find_vllm_backend
+from tests.engine.node import EngineNode, start_node
+from tests.engine.surgery import variant
+from tests.engine.traffic import Clients, DiskSampler, summary
+
+CACHE = REPO_ROOT / "benchmarks" / ".work" / "engine"
+
+
+@dataclass
+class Result:
+    name: str
+    max_adapters: int
+    seconds: float
+    figures: dict[str, float]
+    wrong: int
+    reloads: float
+    stages: tuple[float, float]  # hits, misses
+    names: dict[str, float]
+    max_adapter_bytes: int
+    budget_bytes: int
+
+
+def metrics(node: EngineNode) -> dict[str, float]:
+    with urllib.request.urlopen(node.sidecar.url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("lora_sidecar_") and " " in line:
+            key, value = line.rsplit(" ", 1)
+            values[key] = float(value)
+    return values
+
+
+def run_phase(name: str, max_adapters: int, folders: dict[str, Path], texts: dict[str, str],
+              work: Path, moto_url: str, backend: Path, assets: object, seconds: float,
+              clients: int, budget_bytes: int) -> Result:
+    print(f"phase: {name} (--max-adapters {max_adapters}), starting a node", flush=True)
+    node = start_node(assets, work / name.replace(" ", "-"), moto_url,  # type: ignore[arg-type]
+                      backend, adapters=folders,
+                      sidecar_args=["--max-adapters", str(max_adapters),
+                                    "--max-bytes", str(budget_bytes)])
+    try:
+        before = metrics(node)
+        order = list(folders)
+        sampler = DiskSampler(node.cache_root).start()
+        traffic = Clients(node, lambda: order, clients).start()
+        started = time.monotonic()
+        time.sleep(seconds)
+        answers = traffic.stop()
+        elapsed = time.monotonic() - started
+        sampler.stop()
+        after = metrics(node)
+    finally:
+        node.stop()
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    return Result(
+        name, max_adapters, elapsed, summary(answers, elapsed),
+        sum(1 for a in answers if a.error is None and a.text != texts[a.adapter_id]),
+        delta('lora_sidecar_triton_reloads_total{outcome="ok"}'),
+        (delta('lora_sidecar_stage_requests_total{result="hit"}'),
+         delta('lora_sidecar_stage_requests_total{result="miss"}')),
+        {c: delta(f'lora_sidecar_catalog_name_changes_total{{change="{c}"}}')
+         for c in ("bound", "parked", "returned", "burnt")},
+        max(sampler.adapter_bytes, default=0), budget_bytes)
+
+
+def table(results: list[Result]) -> str:
+    rows = [("disk budget", "requests", "req/s", "p50 s", "p99 s", "failed", "wrong",
+             "reloads", "stage hits / misses", "names bound / parked / returned / burnt",
+             "adapter bytes max / budget")]
+    for r in results:
+        f = r.figures
+        rows.append((
+            f"{r.name} ({r.max_adapters})", f"{f['requests']:.0f}", f"{f['per_s']:.1f}",
+            f"{f['p50_s']:.3f}", f"{f['p99_s']:.3f}", f"{f['failed']:.0f}", str(r.wrong),
+            f"{r.reloads:.0f}", f"{r.stages[0]:.0f} / {r.stages[1]:.0f}",
+            " / ".join(f"{r.names[c]:.0f}" for c in ("bound", "parked", "returned", "burnt")),
+            f"{r.max_adapter_bytes} / {r.budget_bytes}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) + " |"
+             for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--adapters", type=int, default=24, help="registry size (default 24)")
+    parser.add_argument("--seconds", type=float, default=600.0,
+                        help="traffic per phase (default 600)")
+    parser.add_argument("--clients", type=int, default=4, help="gRPC clients (default 4)")
+    args = parser.parse_args(argv)
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's access log
+
+    env = ensure_engine_env()
+    CACHE.mkdir(parents=True, exist_ok=True)
+    assets = build_assets(env, CACHE)
+    backend = find_vllm_backend(CACHE)
+    if backend.path is None:
+        raise SystemExit("the stock Triton vLLM backend was not found: " + backend.fix())
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    host, port = moto.get_host_and_port()
+    results = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="churn-bench-") as scratch:
+            work = Path(scratch)
+            folders = {f"bench-{n:03d}": variant(assets.adapter(f"tenant-{n % 4}"),
+                                                 work / f"v{n}", lora_alpha=1.0 + 0.75 * n)
+                       for n in range(args.adapters)}
+            references = assets.references(folders)
+            texts = {name: references[name].text or "" for name in folders}
+            size = max(sum(p.stat().st_size for p in f.iterdir()) for f in folders.values())
+            quarter = max(1, args.adapters // 4)
+            for name, count in (("a quarter of the registry", quarter),
+                                ("everything fits", args.adapters)):
+                results.append(run_phase(name, count, folders, texts, work,
+                                         f"http://{host}:{port}", backend.path, assets,
+                                         args.seconds, args.clients, count * size))
+    finally:
+        moto.stop()
+    print()
+    print(f"Zipf (s=1.1) traffic through the router, {args.clients} gRPC clients without "
+          f"retries, {args.adapters} adapters in the registry, {args.seconds:g} s per phase; "
+          "vLLM 0.13 on CPU (tiny Llama)")
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
