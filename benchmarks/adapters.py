@@ -9,8 +9,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
 from sidecar.examples import write_adapter
 from sidecar.validation.shapes import ATTENTION_MODULES, LLAMA_3_8B, MLP_MODULES
+from sidecar.validation.signatures import sign_folder
+from sidecar.validation.validate import SIGNATURE_FILE
 
 BUCKET = "lsbench"
 PREFIX = "adapters"
@@ -75,8 +80,37 @@ def generate(specs: tuple[AdapterSpec, ...], root: Path) -> list[Adapter]:
     return adapters
 
 
+def sign(adapters: list[Adapter], work: Path, *, signing: bool) -> Path | None:
+    """With `signing`, write each adapter's model.sig with the run's key (made once, kept in
+    `work`) and return a policy requiring it for every id; without, remove any model.sig."""
+    if not signing:
+        for adapter in adapters:
+            (adapter.folder / SIGNATURE_FILE).unlink(missing_ok=True)
+        return None
+    key, public = work / "bench-key.pem", work / "bench-key.pub"
+    if not key.exists():
+        work.mkdir(parents=True, exist_ok=True)
+        private = ec.generate_private_key(ec.SECP256R1())
+        key.write_bytes(private.private_bytes(serialization.Encoding.PEM,
+                                              serialization.PrivateFormat.PKCS8,
+                                              serialization.NoEncryption()))
+        public.write_bytes(private.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    for adapter in adapters:
+        # Signed once per generated folder and key: a signature made again differs (ECDSA is
+        # randomised) at the same size, which the upload would not send again.
+        signature = adapter.folder / SIGNATURE_FILE
+        if not signature.exists() or signature.stat().st_mtime_ns < key.stat().st_mtime_ns:
+            sign_folder(adapter.folder, private_key=key)
+    policy = work / "policy.toml"
+    policy.write_text(f'[signers.bench]\npublic_key = "{public}"\n\n'
+                      '[[adapters]]\nglob = "*"\nmode = "require"\nsigners = ["bench"]\n')
+    return policy
+
+
 def upload(client: Any, adapters: list[Adapter]) -> None:
-    """Put every adapter under s3://BUCKET/PREFIX/<adapter_id>/ (boto3 client)."""
+    """Put every adapter under s3://BUCKET/PREFIX/<adapter_id>/ (boto3 client), and remove
+    objects there that the adapter no longer has (a model.sig of a signed run)."""
     try:
         client.create_bucket(Bucket=BUCKET)
     except (client.exceptions.BucketAlreadyOwnedByYou, client.exceptions.BucketAlreadyExists):
@@ -87,10 +121,16 @@ def upload(client: Any, adapters: list[Adapter]) -> None:
         for obj in page.get("Contents", [])
     }
     for adapter in adapters:
+        wanted = set()
         for path in adapter.files():
             key = f"{PREFIX}/{adapter.adapter_id}/{path.name}"
-            if existing.get(key) != path.stat().st_size:
+            wanted.add(key)
+            # A signature made again has the size of the last one: always sent (2 KB).
+            if existing.get(key) != path.stat().st_size or path.name == SIGNATURE_FILE:
                 client.upload_file(str(path), BUCKET, key)
+        for key in existing:
+            if key.startswith(f"{PREFIX}/{adapter.adapter_id}/") and key not in wanted:
+                client.delete_object(Bucket=BUCKET, Key=key)
 
 
 def verify(adapter: Adapter, downloaded: Path) -> None:

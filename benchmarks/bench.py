@@ -73,6 +73,7 @@ class Context:
     dest: Path
     env: dict[str, str]
     adapters: list[Adapter]
+    signing_policy: Path | None = None  # --signing: the policy of 'sidecar (signing on)'
 
 
 def log(message: str) -> None:
@@ -140,7 +141,7 @@ def alternatives(ctx: Context, server: S3Server) -> list[Stager]:
 
 
 def start_sidecar(ctx: Context, server: S3Server, source: Path | None = None,
-                  label: str | None = None) -> SidecarStager:
+                  label: str | None = None, extra_args: tuple[str, ...] = ()) -> SidecarStager:
     """The sidecar of this checkout, of `--sidecar-src`, or of `source` (a compared one)."""
     env = dict(ctx.env)
     source = source or ctx.args.sidecar_src
@@ -151,8 +152,8 @@ def start_sidecar(ctx: Context, server: S3Server, source: Path | None = None,
         env["PYTHONPATH"] = str(source.resolve())
     name = "sidecar" if label is None else f"sidecar ({label})"
     cache = ctx.dest / ("sidecar-cache" if label is None else f"sidecar-cache-{label}")
-    return SidecarStager(ctx.sup, command, server, cache, env, tuple(ctx.args.sidecar_arg),
-                         name=name)
+    return SidecarStager(ctx.sup, command, server, cache, env,
+                         (*ctx.args.sidecar_arg, *extra_args), name=name)
 
 
 def compared_sidecars(ctx: Context, server: S3Server) -> list[SidecarStager]:
@@ -161,6 +162,9 @@ def compared_sidecars(ctx: Context, server: S3Server) -> list[SidecarStager]:
     for spec in ctx.args.compare:
         label, _, path = spec.partition("=")
         stagers.append(start_sidecar(ctx, server, Path(path), label))
+    if ctx.signing_policy is not None:
+        stagers.append(start_sidecar(ctx, server, label="signing on", extra_args=(
+            "--signing-policy", str(ctx.signing_policy))))
     return stagers
 
 
@@ -330,9 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.only:
         specs = tuple(s for s in specs if s.adapter_id in args.only.split(","))
     adapters = adapters_mod.generate(specs, work / "adapters")
+    policy = adapters_mod.sign(adapters, work / "signing", signing=args.signing)
+    adapters = adapters_mod.generate(specs, work / "adapters")  # sizes with model.sig
     sup = Supervisor(work / "logs")
     shutil.rmtree(args.dest, ignore_errors=True)
-    ctx = Context(args, tools, sup, work, args.dest, s3_env(os.environ, work), adapters)
+    ctx = Context(args, tools, sup, work, args.dest, s3_env(os.environ, work), adapters,
+                  policy)
     os.environ.update(ctx.env)  # boto3 in this process reads the same credentials
     results = Results(machine=machine_facts())
     try:

@@ -91,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "A/B of a change")
     parser.add_argument("--sidecars-only", action="store_true",
                         help="cold phases without the alternative clients (boto3, aws, s5cmd)")
+    parser.add_argument("--signing", action="store_true",
+                        help="sign the adapters (model.sig, with a key kept under "
+                        "benchmarks/.work/signing/) and also stage them, in the same rounds, "
+                        "with a sidecar whose --signing-policy requires that key: 'sidecar "
+                        "(signing on)' beside 'sidecar', which leaves model.sig unread")
     return parser
 
 

@@ -1,9 +1,10 @@
 """Upload a local folder of adapters (one sub-folder per adapter id) into an S3 registry.
 
 The compose file's one-shot `minio-init` service runs it; it works against any S3 endpoint.
-Adapters are validated with the sidecar's rules first; files already there unchanged are skipped.
-Only the files the sidecar fetches are sent (sidecar/validation/files.py): what PEFT, Trainer
-or `hf download` leave beside an adapter (README.md, training_args.bin, .cache/) is left out.
+Adapters are validated with the sidecar's rules (its signing policy included) first; files
+already there unchanged are skipped. Only the files the sidecar fetches are sent
+(sidecar/validation/files.py): what PEFT, Trainer or `hf download` leave beside an adapter
+(README.md, training_args.bin, .cache/) is left out.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from sidecar.config import Settings
 from sidecar.errors import ConfigError
 from sidecar.ids import is_valid_adapter_id
 from sidecar.validation.files import CONFIG_FILE, listed, plan_folder
+from sidecar.validation.signatures import verify_folder
 from sidecar.validation.validate import Rules, judge_adapter, summarize
 
 # put_object is one request; larger files would need a multipart upload, which no adapter needs.
@@ -153,6 +155,10 @@ class Uploader:
         if self._rules is not None:
             # The sidecar would refuse it at the first request; say so now, with every reason.
             problems = judge_adapter(folder, self._rules).problems
+            # And the signing policy's verdict (LORA_SIDECAR_SIGNING_POLICY), model.sig read
+            # from the folder: an unsigned or badly signed adapter never reaches the registry.
+            rule = self._rules.signing.rule_for(adapter_id)
+            problems += verify_folder(folder, adapter_id, rule).problems
             if problems:
                 raise UploadError(f"not a valid adapter: {summarize(problems)}")
         remote = self._remote_objects(adapter_id)
@@ -255,7 +261,8 @@ def _parser() -> argparse.ArgumentParser:
         "--no-validate",
         action="store_true",
         help="upload without checking adapters against the sidecar's rules (read from the "
-        "same LORA_SIDECAR_* variables as the sidecar: --max-lora-rank, --base-model-config...)",
+        "same LORA_SIDECAR_* variables as the sidecar: --max-lora-rank, --base-model-config, "
+        "--signing-policy...)",
     )
     parser.add_argument(
         "--overwrite",

@@ -32,7 +32,8 @@ SERVE_SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "lease_ttl_s", "max_leases", "stage_timeout_s", "refusal_ttl_s", "not_found_ttl_s",
         "upload_settle_s")),
     ("validation, what the engine can serve", (
-        "max_lora_rank", "allowed_target_modules", "base_model", "base_model_config")),
+        "max_lora_rank", "allowed_target_modules", "base_model", "base_model_config",
+        "signing_policy")),
     ("the catalog of names vLLM knows, and Triton's reloads", (
         "catalog_refresh_s", "spare_names", "spare_names_max", "compact_below",
         "compaction_window", "triton_url",
@@ -101,6 +102,7 @@ def _add_validate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser
     from . import cli
 
     cli.add_validate_command(subparsers)
+    cli.add_sign_command(subparsers)
 
 
 def _add_examples(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -39,6 +39,7 @@ from .preflight import configuration_problems
 from .registry.base import AdapterSource
 from .registry.kinds import open_source
 from .registry.transfer import TransferPolicy, transfer_executor
+from .validation.signing_policy import describe_rules
 from .validation.validate import Rules
 from .web.api import READ_ONLY_ROUTES, Services, build_web_app
 from .web.epp import AdapterSet, EppExporter
@@ -176,6 +177,8 @@ class Sidecar:
         log.info("lora-sidecar listening on http://%s:%d registry=%s cache_root=%s",
                  self.settings.host, self.port, self.source.description,
                  self.settings.cache_root)
+        for line in describe_rules(self.rules.signing):
+            log.info("signing policy %s: %s", self.rules.signing.path, line)
         if wait_for_recovery:
             await asyncio.shield(recovery)
 
@@ -292,7 +295,8 @@ class Sidecar:
                       max_leases=self.settings.max_leases,
                       lease_ttl_s=self.settings.lease_ttl_s,
                       on_problem=lambda problem: self.health.set("cache", problem),
-                      on_progress=self._note_recovery_progress)
+                      on_progress=self._note_recovery_progress,
+                      metrics=self.metrics)
         for adapter_id in self.settings.pin:
             if self.store.get(adapter_id) is not None:
                 self._pins_pending.discard(adapter_id)

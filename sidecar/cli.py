@@ -1,6 +1,6 @@
 """Client commands (`stage`, `evict`, `ls`, `pin`, `unpin`, `prewarm`) that talk to a running
-sidecar over HTTP, `validate`, which checks a local folder with the sidecar's rules, and
-`examples`, which fills an empty local registry.
+sidecar over HTTP, `validate`, which checks a local folder with the sidecar's rules, `sign`,
+which signs one for a signing policy, and `examples`, which fills an empty local registry.
 
 The sidecar's error messages speak its HTTP API (`"force": true`, its own `--api-token`); where
 the command line has its own way to do the thing, the message printed here names that instead.
@@ -273,6 +273,7 @@ def _wait_ready(args: argparse.Namespace) -> tuple[bool, str]:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from .validation.shapes import ModelShapes
+    from .validation.signing_policy import NO_POLICY, SigningPolicy
     from .validation.validate import Rules, run_validate
 
     try:
@@ -281,12 +282,60 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(f"error: --base-model-config: {exc}", file=sys.stderr)
         return EXIT_USAGE
     modules = [m.strip() for m in args.allowed_target_modules.split(",") if m.strip()]
+    try:
+        signing = SigningPolicy.load(args.policy) if args.policy else NO_POLICY
+    except ValueError as exc:
+        print(f"error: --policy {args.policy}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     rules = Rules(max_lora_rank=args.max_lora_rank, allowed_target_modules=frozenset(modules),
-                  base_model=args.base_model, shapes=shapes)
+                  base_model=args.base_model, shapes=shapes, signing=signing)
     if not args.path.is_dir():
         print(f"error: {args.path} is not a folder", file=sys.stderr)
         return EXIT_USAGE
-    return run_validate(args.path, rules, as_json=args.json, out=sys.stdout)
+    return run_validate(args.path, rules, as_json=args.json, out=sys.stdout,
+                        adapter_id=args.adapter_id)
+
+
+def cmd_sign(args: argparse.Namespace) -> int:
+    """Sign an adapter folder in OMS format (model.sig) so that a sidecar whose policy names
+    this key (or the certificate's CA and identity) accepts it."""
+    from .cache.records import content_digest
+    from .filehash import hash_file
+    from .validation.files import SIGNATURE_FILE, listed, plan_folder
+    from .validation.signatures import sign_folder
+
+    folder: Path = args.folder
+    if not folder.is_dir():
+        print(f"error: {folder} is not a folder", file=sys.stderr)
+        return EXIT_USAGE
+    if bool(args.certificate) != bool(args.chain):
+        print("error: --certificate and --chain go together (the signing certificate and the "
+              "CA certificates it chains up to)", file=sys.stderr)
+        return EXIT_USAGE
+    # The statement lists what the sidecar publishes; an entry that makes it refuse the
+    # adapter would be refused whatever the signature says.
+    plan = plan_folder(folder)
+    if plan.problems:
+        print(f"error: the sidecar would refuse {folder}; fix it first:\n  "
+              + "\n  ".join(f"{p.code} {p.file}: {p.message}" for p in plan.problems),
+              file=sys.stderr)
+        return EXIT_FAILED
+    if plan.ignored:
+        print(f"note: left out, as the sidecar leaves them out: {listed(plan.ignored)}")
+    password = None
+    if args.key_password_file:
+        password = args.key_password_file.read_text(encoding="utf-8").strip()
+    try:
+        signature = sign_folder(folder, private_key=args.key, certificate=args.certificate,
+                                chain=args.chain or (), password=password)
+    except (OSError, ValueError, TypeError) as exc:
+        print(f"error: cannot sign {folder}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    sums = {name: hash_file(folder / name).sha256 for name in plan.fetched
+            if name != SIGNATURE_FILE}
+    print(f"signed {len(sums)} files of {folder} into {signature}\n"
+          f"content digest {content_digest(sums)} (the sidecar answers it for these bytes)")
+    return EXIT_OK
 
 
 def cmd_examples(args: argparse.Namespace) -> int:
@@ -369,8 +418,35 @@ def add_validate_command(subparsers: argparse._SubParsersAction[argparse.Argumen
                    help="require base_model_name_or_path to equal this")
     p.add_argument("--base-model-config", type=Path, default=None,
                    help="the base model's config.json: check tensor shapes against it")
+    p.add_argument("--policy", type=Path, default=None,
+                   help="a signing policy (the sidecar's --signing-policy): check the folder's "
+                   "OMS signature (model.sig) as a stage of ADAPTER_ID would")
+    p.add_argument("--adapter-id", default=None,
+                   help="the id the policy's rules are matched against (default: the folder's "
+                   "name)")
     p.add_argument("--json", action="store_true", help="print JSON for scripts")
     p.set_defaults(handler=cmd_validate)
+
+
+def add_sign_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = subparsers.add_parser(
+        "sign", help="sign an adapter folder (OMS, model.sig) for a sidecar's signing policy",
+        description="Write FOLDER/model.sig: an OpenSSF Model Signing (OMS v1.0) signature of "
+        "every file of the folder (SHA-256 of each whole file), with an elliptic-curve key "
+        "(P-256, P-384 or P-521), or with a certificate issued to that key. Upload model.sig "
+        "with the adapter; a sidecar whose --signing-policy names the public key (or the CA "
+        "and the certificate's identity) for the adapter's id then serves it.",
+    )
+    p.add_argument("folder", type=Path, help="the adapter folder (named as its adapter id)")
+    p.add_argument("--key", type=Path, required=True, help="the private key, PEM")
+    p.add_argument("--key-password-file", type=Path, default=None,
+                   help="a file holding the private key's password, if it is encrypted")
+    p.add_argument("--certificate", type=Path, default=None,
+                   help="sign with this certificate (PEM) of the key, instead of the bare key")
+    p.add_argument("--chain", type=Path, action="append", default=None,
+                   help="a CA certificate the --certificate chains up to (repeat it, issuer "
+                   "first)")
+    p.set_defaults(handler=cmd_sign)
 
 
 def add_examples_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

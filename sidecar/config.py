@@ -248,6 +248,18 @@ def _parse_existing_file(text: str) -> Path | None:
     return path
 
 
+def _parse_signing_policy(text: str) -> Path | None:
+    """The policy file, read and checked now so that its problems stop the start with the
+    others, before the cache is touched (Rules reads it again for its own use)."""
+    path = _parse_existing_file(text)
+    if path is not None:
+        # Imported here: it brings `cryptography`, which the client commands never need.
+        from .validation.signing_policy import SigningPolicy
+
+        SigningPolicy.load(path)
+    return path
+
+
 def _parse_enum(kind: type[_E], text: str) -> _E:
     try:
         return kind(text.strip().lower())
@@ -400,6 +412,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("base_model_config", "--base-model-config", _parse_existing_file, "",
            "the base model's config.json; when set, tensor shapes are checked against it",
            "FILE"),
+    Option("signing_policy", "--signing-policy", _parse_signing_policy, "",
+           "a TOML file naming, per adapter id, exact or by prefix or glob, the signers (public "
+           "keys, or CA roots and an identity) whose OMS signature (model.sig) it needs and a "
+           "mode: require, verify-if-present or off (without a file every adapter is off)",
+           "FILE"),
     Option("catalog_refresh_s", "--catalog-refresh", _positive(_parse_float), "30",
            "longest seconds between two looks at the catalog (quiet window, generations to "
            "retire; changes are acted on at once), and seconds between two listings of the "
@@ -493,6 +510,7 @@ class Settings:
     allowed_target_modules: tuple[str, ...] = LLAMA_TARGET_MODULES
     base_model: str | None = None
     base_model_config: Path | None = None
+    signing_policy: Path | None = None
     catalog_refresh_s: float = 30.0
     spare_names: int | None = None  # None: sized from the registry
     spare_names_max: int = 4096

@@ -83,6 +83,11 @@ class Metrics:
             "lora_sidecar_registry_errors", "Failed registry calls, by operation.",
             ["operation"], registry=r,
         )
+        self.signature_verifications = Counter(
+            "lora_sidecar_signature_verifications", "Adapters judged by the signing policy, "
+            "by outcome: verified (a signature by an allowed signer over these bytes), "
+            "unsigned (none, and the policy lets it be), refused.", ["outcome"], registry=r,
+        )
         self.leases_expired = Counter(
             "lora_sidecar_leases_expired", "Leases that ran out before being released.",
             registry=r,
@@ -151,6 +156,8 @@ class Metrics:
             self.stage_duration.labels(result=result)
         for reason in ("lru", "manual", "forced", "external"):
             self.evictions.labels(reason=reason)
+        for outcome in ("verified", "unsigned", "refused"):
+            self.signature_verifications.labels(outcome=outcome)
         for reason in ("exhausted", "spares_low", "window", "requested", "engine_lost"):
             self.catalog_compactions.labels(reason=reason)
         for change in ("bound", "parked", "returned", "burnt"):

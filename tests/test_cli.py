@@ -352,3 +352,68 @@ def test_decimal_size_units_are_refused_naming_the_binary_one(tmp_path: Path) ->
     with pytest.raises(ValueError):
         parse_size("20GB")
     assert parse_size("20Gi") == parse_size("20GiB") == 20 * 1024**3
+
+
+def test_sign_then_validate_with_the_policy_accepts_the_folder_and_a_change_is_named(
+    tmp_path: Path
+) -> None:
+    from sidecar.examples import write_adapter
+    from tests.signing_keys import key_policy, make_key, write_sha256sums
+
+    key = make_key(tmp_path / "keys", "acme-2026")
+    policy = key_policy(tmp_path, key, match='prefix = "acme-"')
+    folder = tmp_path / "acme-support-v1"
+    write_adapter(folder)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "sidecar", *args], capture_output=True,
+                              text=True, timeout=60)
+
+    unsigned = cli("validate", str(folder), "--policy", str(policy))
+    signed = cli("sign", str(folder), "--key", str(key.private))
+    valid = cli("validate", str(folder), "--policy", str(policy), "--json")
+    write_sha256sums(folder)
+    changed = cli("validate", str(folder), "--policy", str(policy))
+    other_id = cli("validate", str(folder), "--policy", str(policy), "--adapter-id", "globex-x")
+
+    assert unsigned.returncode == 1 and "signature_missing" in unsigned.stdout
+    assert signed.returncode == 0, signed.stderr
+    assert (folder / "model.sig").is_file()
+    assert "content digest sha256:" in signed.stdout
+    assert valid.returncode == 0, valid.stdout
+    verdict = json.loads(valid.stdout)
+    assert verdict["signer"] == "publisher" and verdict["adapter_id"] == "acme-support-v1"
+    assert changed.returncode == 1 and "unsigned_file" in changed.stdout
+    assert other_id.returncode == 0  # no rule for globex-: off
+
+
+def test_sign_refuses_a_folder_holding_files_the_sidecar_would_refuse(tmp_path: Path) -> None:
+    from sidecar.examples import write_adapter
+    from tests.signing_keys import make_key
+
+    key = make_key(tmp_path / "keys", "k")
+    folder = tmp_path / "a"
+    write_adapter(folder)
+    (folder / "new_embeddings.safetensors").write_bytes(b"tokens added in training")
+
+    result = subprocess.run([sys.executable, "-m", "sidecar", "sign", str(folder), "--key",
+                             str(key.private)], capture_output=True, text=True, timeout=60)
+
+    assert result.returncode == 1 and "new_embeddings.safetensors" in result.stderr
+    assert not (folder / "model.sig").exists()
+
+
+def test_a_signing_policy_that_cannot_work_stops_the_start_before_the_cache_is_touched(
+    tmp_path: Path
+) -> None:
+    policy = tmp_path / "signing.toml"
+    policy.write_text('[[adapters]]\nprefix = "acme-"\nmode = "require"\nsigners = ["nobody"]\n')
+
+    result = subprocess.run(
+        [sys.executable, "-m", "sidecar", "serve", "--signing-policy", str(policy),
+         "--cache-root", str(tmp_path / "cache"), "--registry", str(tmp_path)],
+        capture_output=True, text=True, timeout=30)
+
+    assert result.returncode == 2
+    assert "--signing-policy" in result.stderr and "no [signers.nobody]" in result.stderr
+    assert not (tmp_path / "cache").exists()

@@ -278,10 +278,13 @@ def test_every_setting_compose_readme_mentions_is_settable_from_env() -> None:
 
 
 def test_the_sidecars_own_settings_in_env_reach_it_and_minio_init(tmp_path: Path) -> None:
+    policy = tmp_path / "signing.toml"  # in the containers: a file mounted by an override
+    policy.write_text('[[adapters]]\nglob = "*"\nmode = "off"\n')
     chosen = {"LORA_SIDECAR_MAX_LORA_RANK": "64",
               "LORA_SIDECAR_ALLOWED_TARGET_MODULES": "q_proj,v_proj",
               "LORA_SIDECAR_SPARE_NAMES": "8", "LORA_SIDECAR_COMPACT_BELOW": "2",
-              "LORA_SIDECAR_COMPACTION_WINDOW": "02:00-04:00"}
+              "LORA_SIDECAR_COMPACTION_WINDOW": "02:00-04:00",
+              "LORA_SIDECAR_SIGNING_POLICY": str(policy)}
     assert set(chosen) == {n for n in _read_env_file(ENV_EXAMPLE) if n.startswith("LORA_SIDECAR_")}
     services = _resolved(tmp_path, **chosen)["services"]
     env = services["sidecar"]["environment"]
@@ -292,8 +295,10 @@ def test_the_sidecars_own_settings_in_env_reach_it_and_minio_init(tmp_path: Path
     assert (settings.spare_names, settings.compact_below) == (8, 2)
     assert settings.compaction_window is not None
     assert settings.compaction_window.text == "02:00-04:00 UTC"
+    assert settings.signing_policy == policy
     init_env = services["minio-init"]["environment"]
-    for name in ("LORA_SIDECAR_MAX_LORA_RANK", "LORA_SIDECAR_ALLOWED_TARGET_MODULES"):
+    for name in ("LORA_SIDECAR_MAX_LORA_RANK", "LORA_SIDECAR_ALLOWED_TARGET_MODULES",
+                 "LORA_SIDECAR_SIGNING_POLICY"):
         assert init_env[name] == chosen[name]  # the uploader checks by the same rules
 
 

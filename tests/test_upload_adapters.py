@@ -148,3 +148,25 @@ def test_upload_says_what_is_wrong_with_its_arguments(tmp_path: Path) -> None:
     result = _upload("s3://lora-adapters/adapters", "http://127.0.0.1:9", tmp_path / "missing")
     assert result.returncode == 2
     assert "is not a folder" in result.stderr
+
+
+def test_upload_checks_signatures_under_the_sidecars_signing_policy(
+    bucket: Bucket, tmp_path: Path
+) -> None:
+    from tests.signing_keys import key_policy, make_key, sign_with_key
+
+    key = make_key(tmp_path / "keys", "acme-2026")
+    policy = key_policy(tmp_path, key, match='prefix = "acme-"')
+    adapters = tmp_path / "adapters"
+    write_adapter(adapters / "acme-signed-v1")
+    sign_with_key(adapters / "acme-signed-v1", key)
+    write_adapter(adapters / "acme-unsigned-v1", seed=1)
+
+    result = _upload(bucket.registry, bucket.endpoint_url, adapters,
+                     env={"LORA_SIDECAR_SIGNING_POLICY": str(policy)})
+
+    assert result.returncode == 1
+    assert "refused acme-unsigned-v1: not a valid adapter" in result.stdout
+    assert "signature_missing" in result.stdout
+    assert sorted(key.rsplit("/", 1)[1] for key in bucket.objects()) == [
+        "adapter_config.json", "adapter_model.safetensors", "model.sig"]

@@ -10,7 +10,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,9 @@ from ..filehash import hash_file
 from ..fsutil import fsync_dir, iso_utc
 from ..ids import is_valid_adapter_id
 from ..logs import fields
+from ..validation.files import SIGNATURE_FILE
+from ..validation.signatures import SignatureVerdict
+from ..validation.signing_policy import SignatureMode
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,43 @@ class Check(StrEnum):
     SHA256SUMS = "sha256sums"  # the adapter's own SHA256SUMS file
     RULES = "validation"  # the validation rules of the sidecar that published it
     VALUES = "finite_values"  # every tensor value read and found finite
+    SIGNATURE = "signature"  # an OMS signature by a signer the policy allows, over these bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SignatureRecord:
+    """The signing policy's verdict on a published folder. `policy` is the fingerprint of the
+    rule that judged it: a restart whose rule for the id has another re-checks the folder."""
+
+    policy: str
+    signer: str | None = None  # the policy's name of who signed; None: unsigned, allowed
+    identity: str | None = None  # `sha256:<key hint>`, or the certificate's identity
+    signed_as: str | None = None  # the name in the signed statement
+
+    @classmethod
+    def of(cls, verdict: SignatureVerdict) -> SignatureRecord | None:
+        """What a record keeps of a verdict that passed (None under mode off)."""
+        if verdict.rule.mode is SignatureMode.OFF:
+            return None
+        signed = verdict.signed
+        if signed is None:
+            return cls(verdict.rule.fingerprint)
+        return cls(verdict.rule.fingerprint, signed.signer, signed.identity, signed.signed_as)
+
+    def to_json(self) -> dict[str, str | None]:
+        return {"policy": self.policy, "signer": self.signer, "identity": self.identity,
+                "signed_as": self.signed_as}
+
+    @classmethod
+    def from_json(cls, data: object) -> SignatureRecord | None:
+        if data is None:
+            return None
+        if not (isinstance(data, dict) and isinstance(data.get("policy"), str) and all(
+                data.get(k) is None or isinstance(data.get(k), str)
+                for k in ("signer", "identity", "signed_as"))):
+            raise ValueError("bad signature entry")
+        return cls(data["policy"], data.get("signer"), data.get("identity"),
+                   data.get("signed_as"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +107,7 @@ class AdapterRecord:
     # What the bytes passed before publication (Check values), trusted by a restart while
     # every file keeps its recorded size and modification time: nothing is re-hashed.
     verified: tuple[str, ...] = ()
+    signature: SignatureRecord | None = None  # None: no signing policy applied to it
     size_bytes: int = field(init=False, compare=False)  # summed once: read on every hit
     content_digest: str = field(init=False, compare=False)  # once too: see _content_digest
 
@@ -84,6 +125,7 @@ class AdapterRecord:
             "staged_at": iso_utc(self.staged_at),
             "staged_at_unix": self.staged_at,
             "verified": list(self.verified),
+            "signature": None if self.signature is None else self.signature.to_json(),
             "files": {
                 name: {"size_bytes": f.size_bytes, "etag": f.etag, "crc32": f.crc32,
                        "sha256": f.sha256, "mtime_ns": f.mtime_ns}
@@ -95,7 +137,11 @@ class AdapterRecord:
         """The same record with each file's modification time as found on disk."""
         files = {name: FileRecord(f.size_bytes, f.etag, f.crc32, f.sha256, mtimes.get(name))
                  for name, f in self.files.items()}
-        return AdapterRecord(self.adapter_id, self.source, self.staged_at, files, self.verified)
+        return replace(self, files=files)
+
+    @property
+    def signer(self) -> str | None:
+        return None if self.signature is None else self.signature.signer
 
     @classmethod
     def from_json(cls, data: object) -> AdapterRecord:
@@ -126,21 +172,32 @@ class AdapterRecord:
         verified = data.get("verified", [])  # absent from records of older versions
         if not (isinstance(verified, list) and all(isinstance(v, str) for v in verified)):
             raise ValueError("bad verified list")
-        return cls(adapter_id, source, float(staged_at), files, tuple(verified))
+        signature = SignatureRecord.from_json(data.get("signature"))  # absent from older ones
+        return cls(adapter_id, source, float(staged_at), files, tuple(verified), signature)
 
 
-def _content_digest(files: Mapping[str, FileRecord]) -> str:
+def _content_digest(all_files: Mapping[str, FileRecord]) -> str:
     """What identifies an adapter's bytes: `sha256:` and the SHA-256 of its SHA256SUMS text
     (one `<sha256>  <name>` line per file, sorted by name), so an operator can compute it with
-    `sha256sum`. A record of an older version without every file's SHA-256 gets a `crc32:`
-    digest of the same form from sizes and CRC-32s: never equal to a `sha256:` one, so such
-    bytes count as other bytes (the safe direction)."""
-    if all(f.sha256 for f in files.values()):
-        kind, lines = "sha256", [f"{f.sha256}  {name}\n" for name, f in sorted(files.items())]
-    else:
-        kind, lines = "crc32", [f"{f.size_bytes}:{f.crc32}  {name}\n"
-                                for name, f in sorted(files.items())]
-    return f"{kind}:{hashlib.sha256(''.join(lines).encode()).hexdigest()}"
+    `sha256sum`. The signature (model.sig) is left out: it says who vouches for the bytes, it
+    is not bytes the engine reads, and signing the same files again keeps their digest. A
+    record of an older version without every file's SHA-256 gets a `crc32:` digest of the same
+    form from sizes and CRC-32s: never equal to a `sha256:` one, so such bytes count as other
+    bytes (the safe direction)."""
+    files = {name: f for name, f in all_files.items() if name != SIGNATURE_FILE}
+    sha256 = {name: f.sha256 for name, f in files.items() if f.sha256}
+    if len(sha256) == len(files):
+        return content_digest(sha256)
+    lines = [f"{f.size_bytes}:{f.crc32}  {name}\n" for name, f in sorted(files.items())]
+    return f"crc32:{hashlib.sha256(''.join(lines).encode()).hexdigest()}"
+
+
+def content_digest(sha256: Mapping[str, str]) -> str:
+    """The content digest of files by their SHA-256 hex digests (model.sig left out): what
+    `lora-sidecar sign` prints, and what the sidecar will answer for those bytes."""
+    lines = [f"{digest}  {name}\n" for name, digest in sorted(sha256.items())
+             if name != SIGNATURE_FILE]
+    return f"sha256:{hashlib.sha256(''.join(lines).encode()).hexdigest()}"
 
 
 def read_record(folder: Path) -> AdapterRecord:
@@ -205,9 +262,13 @@ def write_record(folder: Path, record: AdapterRecord, *, dir_fd: int | None = No
 def add_verified(folder: Path, record: AdapterRecord, check: str) -> AdapterRecord:
     """Rewrite a published folder's record with one more passed check (blocking; a rename, so
     a crash leaves the old record or the new one)."""
-    updated = AdapterRecord(record.adapter_id, record.source, record.staged_at, record.files,
-                            (*record.verified, check))
-    fresh = write_record(folder, updated, name=f"{RECORD_NAME}.new")
+    return rewrite_record(folder, replace(record, verified=(*record.verified, check)))
+
+
+def rewrite_record(folder: Path, record: AdapterRecord) -> AdapterRecord:
+    """Replace a published folder's record (blocking; a rename, so a crash leaves the old
+    record or the new one)."""
+    fresh = write_record(folder, record, name=f"{RECORD_NAME}.new")
     os.replace(folder / f"{RECORD_NAME}.new", folder / RECORD_NAME)
     fsync_dir(folder)
     return fresh

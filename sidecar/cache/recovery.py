@@ -8,12 +8,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 
+from ..filehash import hash_file
 from ..logs import fields
+from ..metrics import Metrics
+from ..validation.signatures import SignatureVerdict, verify_folder
+from ..validation.signing_policy import SignatureMode
 from ..validation.validate import Rules, validate_adapter
 from .lease_journal import JournalLease, LeaseJournal
-from .records import AdapterRecord, Check, add_verified
+from .records import AdapterRecord, Check, SignatureRecord, add_verified, rewrite_record
 from .store import AdapterStore
 
 log = logging.getLogger(__name__)
@@ -28,9 +33,11 @@ async def recover(
     lease_ttl_s: float,
     on_problem: Callable[[str], None],
     on_progress: Callable[[int, int], None],
+    metrics: Metrics | None = None,
 ) -> None:
     """Re-index the cache. Costs a stat per file and the headers per adapter, whatever the
-    adapters' bytes. `on_problem` hears why the cache cannot be used (readiness)."""
+    adapters' bytes (and model.sig where the signing policy's rule for an id changed). `on_problem`
+    hears why the cache cannot be used (readiness)."""
     started = time.perf_counter()
     try:
         await asyncio.to_thread(store.prepare)
@@ -49,6 +56,8 @@ async def recover(
     log.info("recovering the cache: %d adapter folders, %d leases in the journal",
              len(folders), len(leases))
 
+    rewritten: dict[str, AdapterRecord] = {}  # records a check brought up to date
+
     def check(folder: Path, record: AdapterRecord) -> list[str]:
         # The rules may have changed since publication: re-checked from the config and
         # the safetensors header. The bytes are vouched for by the record (no hashing);
@@ -57,14 +66,28 @@ async def recover(
         problems = [f"{p.code} {p.file}: {p.message}"
                     for p in validate_adapter(folder, rules, checksums=False,
                                               scan_values=scan)]
-        if scan and not problems:
-            add_verified(folder, record, Check.VALUES)
-        return problems
+        if problems:
+            return problems
+        if scan:
+            record = rewritten[folder.name] = add_verified(folder, record, Check.VALUES)
+        verdict = _signature_changed(folder, record, rules)
+        if verdict is None:
+            return []
+        if metrics is not None and verdict.outcome is not None:
+            metrics.signature_verifications.labels(outcome=verdict.outcome).inc()
+        if verdict.problems:
+            return [f"{p.code} {p.file}: {p.message}" for p in verdict.problems]
+        checks = tuple(c for c in record.verified if c != Check.SIGNATURE)
+        rewritten[folder.name] = rewrite_record(folder, replace(
+            record, signature=SignatureRecord.of(verdict),
+            verified=(*checks, Check.SIGNATURE) if verdict.signed else checks))
+        return []
 
     records, quarantined = [], 0
     for checked, folder in enumerate(folders, start=1):
         try:
-            records.append(await asyncio.to_thread(store.recover_folder, folder, check))
+            record = await asyncio.to_thread(store.recover_folder, folder, check)
+            records.append(rewritten.pop(folder.name, record))
         except ValueError:
             quarantined += 1  # logged by the quarantine
         except OSError as exc:
@@ -91,6 +114,27 @@ async def recover(
              restored, len(evicted), store.total_bytes,
              extra=fields(event="recovered", adapters=len(records), quarantined=quarantined,
                           leases=restored, duration_s=round(elapsed_s, 3)))
+
+
+def _signature_changed(folder: Path, record: AdapterRecord,
+                       rules: Rules) -> SignatureVerdict | None:
+    """The signing policy's verdict on a published folder whose rule is not the one that
+    judged it (a policy added or changed since): model.sig is verified again and its digests
+    compared with the record's, so no weights are read (files of records older than per-file
+    SHA-256s excepted). None when the record's verdict still holds."""
+    rule = rules.signing.rule_for(record.adapter_id)
+    if rule.mode is SignatureMode.OFF:
+        return None  # what the record says of a signature stays true, and nothing is required
+    if record.signature is not None and record.signature.policy == rule.fingerprint:
+        return None
+    digests = {name: f.sha256 or hash_file(folder / name).sha256
+               for name, f in record.files.items()}
+    verdict = verify_folder(folder, record.adapter_id, rule, digests)
+    log.info("adapter_id=%s: the signing policy's rule changed since it was published; "
+             "signature checked again: %s", record.adapter_id, verdict.outcome,
+             extra=fields(event="signature_rechecked", adapter_id=record.adapter_id,
+                          outcome=verdict.outcome))
+    return verdict
 
 
 async def _read_journal(journal: LeaseJournal, lease_ttl_s: float) -> list[JournalLease]:

@@ -29,13 +29,21 @@ from ..ids import is_valid_adapter_id
 from ..logs import fields
 from ..metrics import Metrics
 from ..registry.base import AdapterSource, FetchedFile, Listing, RemoteFile
-from ..validation.files import CHECKSUMS_FILE, WEIGHTS_FILE, plan_files
+from ..validation.files import CHECKSUMS_FILE, SIGNATURE_FILE, WEIGHTS_FILE, plan_files
 from ..validation.problem import Problem
+from ..validation.signatures import (
+    SIGNATURE_CODES,
+    SignatureVerdict,
+    check_digests,
+    check_signature,
+    published_names,
+)
+from ..validation.signing_policy import SignatureMode
 from ..validation.validate import Rules, validate_adapter
 from ..validation.values import ValueReport, ValueScan, finish_scan
 from .leases import Lease
 from .lru import CachedAdapter
-from .records import AdapterRecord, Check, FileRecord, write_record
+from .records import AdapterRecord, Check, FileRecord, SignatureRecord, write_record
 from .store import AdapterStore
 
 log = logging.getLogger(__name__)
@@ -48,6 +56,9 @@ NOT_FOUND_MAX = 10_000  # ids remembered as not in the registry
 RELIST_REFUSED_S = 1.0
 SETTLE_STEP_S = 0.25  # past the settle time before listing again
 SETTLE_LISTINGS_MAX = 30  # an upload that never stops landing is staged as it is then
+
+
+_Fetched = dict[str, tuple[FetchedFile, ValueReport | None]]
 
 
 @dataclass(slots=True)
@@ -272,7 +283,10 @@ class Stager:
             # Room made by evicting is on disk only once the evicted folders are deleted.
             await self._store.settle_trash()
             staging = await asyncio.to_thread(self._store.new_staging_dir, adapter_id)
-            fetched, problems = await self._fetch_and_validate(adapter_id, listing, staging)
+            verdict, got = await self._check_signature(adapter_id, listing, staging)
+            fetched, problems = await self._fetch_and_validate(adapter_id, listing, staging,
+                                                               verdict, got)
+            self._count_signature(verdict, problems)
             if problems:
                 raise self._refuse(adapter_id, problems, listing)
             record = AdapterRecord(
@@ -283,7 +297,8 @@ class Stager:
                     f.name: FileRecord(f.size_bytes, f.etag, got.crc32, got.sha256)
                     for f, got in zip(listing.files, fetched, strict=True)
                 },
-                verified=_checks_passed(listing, fetched),
+                verified=_checks_passed(listing, fetched, verdict),
+                signature=SignatureRecord.of(verdict),
             )
             record = await asyncio.to_thread(_seal, staging, record)
             self._store.publish(staging, record)
@@ -355,10 +370,47 @@ class Stager:
         return dataclasses.replace(listing, files=[f for f in listing.files if f.name in fetched],
                                    others=[])
 
+    async def _check_signature(self, adapter_id: str, listing: Listing,
+                               staging: Path) -> tuple[SignatureVerdict, _Fetched]:
+        """Under a signing policy, fetch model.sig first and verify it (the signer, and the
+        files its statement lists against the listing) before any weights are downloaded; a
+        refusal costs one small GET. Returns the verdict and what was fetched."""
+        rule = self._rules.signing.rule_for(adapter_id)
+        signature = next((f for f in listing.files if f.name == SIGNATURE_FILE), None)
+        got: _Fetched = {}
+        if rule.mode is not SignatureMode.OFF and signature is not None:
+            for attempt in range(1, FETCH_ATTEMPTS + 1):
+                got = await self._fetch_all(adapter_id, [signature], staging)
+                faults = _checksum_problems(SIGNATURE_FILE, got[SIGNATURE_FILE][0])
+                if not faults:
+                    break
+                await asyncio.to_thread(_unlink_all, [staging / SIGNATURE_FILE])
+                if attempt == FETCH_ATTEMPTS:
+                    raise RegistryTransient(
+                        f"{SIGNATURE_FILE} of adapter {adapter_id} did not arrive intact in "
+                        f"{FETCH_ATTEMPTS} downloads: {faults[0].message}. Nothing is "
+                        "remembered: ask again", adapter_id=adapter_id, cause=faults[0].code)
+        verdict = await asyncio.to_thread(
+            check_signature, rule, adapter_id, staging / SIGNATURE_FILE if got else None,
+            published_names([f.name for f in listing.files]))
+        if verdict.problems:
+            self._count_signature(verdict, list(verdict.problems))
+            raise self._refuse(adapter_id, list(verdict.problems), listing)
+        return verdict, got
+
+    def _count_signature(self, verdict: SignatureVerdict, problems: list[Problem]) -> None:
+        """Count the signature's verdict (the adapter may be refused for other reasons)."""
+        if any(p.code in SIGNATURE_CODES for p in problems):
+            self._metrics.signature_verifications.labels(outcome="refused").inc()
+        elif verdict.outcome is not None:
+            self._metrics.signature_verifications.labels(outcome=verdict.outcome).inc()
+
     async def _fetch_and_validate(
-        self, adapter_id: str, listing: Listing, staging: Path
+        self, adapter_id: str, listing: Listing, staging: Path, verdict: SignatureVerdict,
+        fetched_first: _Fetched,
     ) -> tuple[list[FetchedFile], list[Problem]]:
-        """Download every file, then the verdict on the folder.
+        """Download every file (but those fetched first), then the verdict on the folder, the
+        signature's digests included.
 
         Bytes that differ from the registry's own checksum, a file that cannot be read back,
         or a SHA256SUMS mismatch that a second download does not repeat are faults of the
@@ -367,7 +419,8 @@ class Stager:
         remembers. The tensor values are checked by the download, in the bytes it reads.
         """
         files = {f.name: f for f in listing.files}
-        got = await self._fetch_all(adapter_id, listing.files, staging)
+        got = fetched_first | await self._fetch_all(
+            adapter_id, [f for f in listing.files if f.name not in fetched_first], staging)
         crc_before: dict[str, str] = {}  # of files fetched again: the previous download's
         for attempt in range(1, FETCH_ATTEMPTS + 1):
             transfer_faults = [problem for f in listing.files
@@ -377,6 +430,7 @@ class Stager:
             scanned = {name: report for name, (_, report) in got.items() if report is not None}
             problems = await asyncio.to_thread(validate_adapter, staging, self._rules,
                                                sha256=digests, scanned=scanned)
+            problems += check_digests(verdict, adapter_id, digests).problems
             suspects = _suspect_files(problems, got, crc_before) | {
                 p.file for p in transfer_faults}
             if not suspects:
@@ -404,7 +458,7 @@ class Stager:
 
     async def _fetch_all(
         self, adapter_id: str, files: list[RemoteFile], staging: Path
-    ) -> dict[str, tuple[FetchedFile, ValueReport | None]]:
+    ) -> _Fetched:
         """Every file, each hashed (SHA-256) as it lands, read back from the page cache: the
         adapter's content digest, and the SHA256SUMS check without a second read."""
         def count(n: int) -> None:
@@ -436,16 +490,17 @@ class Stager:
         return fetched, await asyncio.to_thread(finish_scan, scan, dest)
 
 
-def _suspect_files(problems: list[Problem], got: dict[str, tuple[FetchedFile, ValueReport | None]],
+def _suspect_files(problems: list[Problem], got: _Fetched,
                    crc_before: dict[str, str]) -> set[str]:
     """Files whose problems may come from the transfer rather than the adapter: unreadable
-    ones, and SHA256SUMS mismatches of bytes neither the registry's checksum nor a second
-    download with the same CRC-32 vouches for."""
+    ones, and SHA256SUMS or signature mismatches of bytes neither the registry's checksum nor a
+    second download with the same CRC-32 vouches for."""
     suspects = set()
     for problem in problems:
         if problem.code == "read_error":
             suspects.add(problem.file)
-        elif problem.code == "checksum_mismatch" and problem.file in got:
+        elif problem.code in ("checksum_mismatch", "signed_digest_mismatch") and (
+                problem.file in got):
             fetched = got[problem.file][0]
             vouched = (fetched.registry_crc32 is not None or fetched.registry_sha256 is not None
                        or crc_before.get(problem.file) == fetched.crc32)
@@ -471,12 +526,15 @@ def _unlink_all(paths: list[Path]) -> None:
         path.unlink(missing_ok=True)
 
 
-def _checks_passed(listing: Listing, fetched: list[FetchedFile]) -> tuple[str, ...]:
+def _checks_passed(listing: Listing, fetched: list[FetchedFile],
+                   verdict: SignatureVerdict) -> tuple[str, ...]:
     checks = [Check.RULES, Check.VALUES]
     if any(got.registry_crc32 or got.registry_sha256 for got in fetched):
         checks.append(Check.REGISTRY)
     if any(f.name == CHECKSUMS_FILE for f in listing.files):
         checks.append(Check.SHA256SUMS)
+    if verdict.signed is not None:
+        checks.append(Check.SIGNATURE)
     return tuple(checks)
 
 

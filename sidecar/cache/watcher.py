@@ -38,10 +38,11 @@ from ..logs import fields
 from ..metrics import Metrics
 from ..validation.files import CHECKSUMS_FILE, WEIGHTS_FILE, listed, plan_folder
 from ..validation.problem import Problem
+from ..validation.signatures import SignatureVerdict, verify_folder
 from ..validation.validate import Rules, judge_adapter
 from ..validation.values import ValueReport, ValueScan
 from .lru import CachedAdapter
-from .records import RECORD_NAME, AdapterRecord, Check, FileRecord, write_record
+from .records import RECORD_NAME, AdapterRecord, Check, FileRecord, SignatureRecord, write_record
 from .store import AdapterStore
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class _Inspection:
     files: dict[str, FileRecord]
     problems: list[Problem]
     ignored: tuple[str, ...]  # entries to delete before adopting (a sub-folder as `name/`)
+    signature: SignatureVerdict
 
 
 class Watcher:
@@ -273,9 +275,12 @@ class Watcher:
             return
         self._adopting.add(adapter_id)
         try:
-            inspection = await self._inspect(folder)
+            inspection = await self._inspect(adapter_id, folder)
             if inspection is None or self._changes.get(adapter_id, 0) != seen:
                 return  # still being written: judged again once it settles
+            outcome = inspection.signature.outcome
+            if outcome is not None:
+                self._metrics.signature_verifications.labels(outcome=outcome).inc()
             if inspection.problems:
                 reason = "; ".join(f"{p.code} {p.file}" for p in inspection.problems)
                 self._quarantine(adapter_id, folder, before, f"not valid: {reason}",
@@ -283,8 +288,10 @@ class Watcher:
                 return
             checks = (Check.RULES, Check.VALUES, Check.SHA256SUMS) if (
                 CHECKSUMS_FILE in inspection.files) else (Check.RULES, Check.VALUES)
+            if inspection.signature.signed is not None:
+                checks = (*checks, Check.SIGNATURE)
             record = AdapterRecord(adapter_id, ADOPTED_SOURCE, time.time(), inspection.files,
-                                   checks)
+                                   checks, SignatureRecord.of(inspection.signature))
             leave_out = frozenset(name.removesuffix("/") for name in inspection.ignored
                                   if name != RECORD_NAME)
             self._leaving_out[adapter_id] = leave_out
@@ -314,8 +321,9 @@ class Watcher:
                               ignored=list(inspection.ignored)))
         store.trim()
 
-    async def _inspect(self, folder: Path) -> _Inspection | None:
-        """Hash and validate a folder (in threads); None if it changed while being read."""
+    async def _inspect(self, adapter_id: str, folder: Path) -> _Inspection | None:
+        """Hash and validate a folder (in threads), and check its signature by the digests
+        just computed; None if it changed while being read."""
         before = await asyncio.to_thread(_snapshot, folder)
         try:
             plan = await asyncio.to_thread(plan_folder, folder)
@@ -339,11 +347,15 @@ class Watcher:
         digests = {name: f.sha256 for name, f in files.items() if f.sha256}
         verdict = await asyncio.to_thread(judge_adapter, folder, self._rules, sha256=digests,
                                           scanned=scanned)
+        signature = await asyncio.to_thread(
+            verify_folder, folder, adapter_id, self._rules.signing.rule_for(adapter_id),
+            {name: f.sha256 for name, f in files.items()})
         # A copy made in one long system call (copy_file_range, a reflink) sends no event
         # until it ends; growing sizes or times still show it is not finished.
         if await asyncio.to_thread(_snapshot, folder) != before:
             return None
-        return _Inspection(files, problems + verdict.problems, verdict.ignored)
+        return _Inspection(files, problems + verdict.problems + list(signature.problems),
+                           verdict.ignored, signature)
 
     def _unindexed(self, adapter_id: str, folder: Path, before: os.stat_result) -> bool:
         """Still the same folder, and the sidecar did not stage the id meanwhile."""

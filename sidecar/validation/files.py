@@ -6,7 +6,8 @@ The engine (vLLM 0.13) reads `adapter_config.json` and `adapter_model.safetensor
 latter it unpickles `adapter_model.bin` or `.pt` (lora_model.py), and vLLM 0.10 also read
 `new_embeddings.*` and a tokenizer from the folder. So, by name:
 
-- fetched, validated and published: those two files, and `SHA256SUMS`, which vouches for them;
+- fetched, validated and published: those two files, `SHA256SUMS`, which vouches for them, and
+  `model.sig`, their OMS signature (signatures.py; the engine never reads it);
 - refused: `adapter_model.bin`/`.pt` with no `adapter_model.safetensors` beside it,
   `new_embeddings.*`, an engine file that is a link or not a plain file, and any path that would
   leave the folder;
@@ -31,7 +32,8 @@ from .safetensors_check import shown
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 CHECKSUMS_FILE = "SHA256SUMS"
-FETCHED_FILES = (CONFIG_FILE, WEIGHTS_FILE, CHECKSUMS_FILE)
+SIGNATURE_FILE = "model.sig"  # model_signing's default name, inside the adapter folder
+FETCHED_FILES = (CONFIG_FILE, WEIGHTS_FILE, CHECKSUMS_FILE, SIGNATURE_FILE)
 # What vLLM loads with torch.load when adapter_model.safetensors is missing; torch.load runs
 # pickles, and `weights_only=True` has been bypassed (CVE-2025-32434).
 PICKLE_WEIGHTS = ("adapter_model.bin", "adapter_model.pt")

@@ -34,6 +34,8 @@ from .files import (
 from .problem import Problem
 from .safetensors_check import TensorInfo, check_safetensors, shown
 from .shapes import ATTENTION_MODULES, ModelShapes
+from .signatures import verify_folder
+from .signing_policy import NO_POLICY, SigningPolicy
 from .values import Layout, NonFinite, ValueReport, scan_file
 
 CONFIG_MAX_BYTES = 1024**2
@@ -55,20 +57,31 @@ class Rules:
     allowed_target_modules: frozenset[str] = frozenset(LLAMA_TARGET_MODULES)
     base_model: str | None = None
     shapes: ModelShapes | None = None  # from --base-model-config
+    signing: SigningPolicy = NO_POLICY  # from --signing-policy
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Rules:
+        problems = []
         shapes = None
         if settings.base_model_config is not None:
             try:
                 shapes = ModelShapes.from_file(settings.base_model_config)
             except (OSError, ValueError) as exc:
-                raise ConfigError([f"--base-model-config: {exc}"]) from exc
+                problems.append(f"--base-model-config: {exc}")
+        signing = NO_POLICY
+        if settings.signing_policy is not None:
+            try:
+                signing = SigningPolicy.load(settings.signing_policy)
+            except ValueError as exc:
+                problems.append(f"--signing-policy {settings.signing_policy}: {exc}")
+        if problems:
+            raise ConfigError(problems)
         return cls(
             max_lora_rank=settings.max_lora_rank,
             allowed_target_modules=frozenset(settings.allowed_target_modules),
             base_model=settings.base_model,
             shapes=shapes,
+            signing=signing,
         )
 
 
@@ -436,17 +449,29 @@ def summarize(problems: Sequence[Problem]) -> str:
     return f"{len(problems)} problem(s): {shown_problems}{more}"
 
 
-def run_validate(path: Path, rules: Rules, *, as_json: bool, out: TextIO) -> int:
+def run_validate(path: Path, rules: Rules, *, as_json: bool, out: TextIO,
+                 adapter_id: str | None = None) -> int:
     """The `validate` command: print the verdict on `out`; 0 when valid, 1 when not. Entries
-    the engine never reads are a note (the sidecar leaves them out), not a problem."""
+    the engine never reads are a note (the sidecar leaves them out), not a problem. Under a
+    signing policy the folder's signature is judged too, as a stage of `adapter_id` (default:
+    the folder's name) would judge it."""
     verdict = judge_adapter(path, rules)
-    problems = verdict.problems
+    problems = list(verdict.problems)
+    facts: dict[str, object] = {}
+    if rules.signing.rules:
+        adapter_id = adapter_id or path.resolve().name
+        rule = rules.signing.rule_for(adapter_id)
+        signature = verify_folder(path, adapter_id, rule)
+        problems += signature.problems
+        facts = {"adapter_id": adapter_id, "rule": rule.describe(),
+                 "signer": signature.signed.signer if signature.signed else None}
     if as_json:
         out.write(json.dumps({
             "path": str(path),
             "valid": not problems,
             "problems": [p.to_json() for p in problems],
             "ignored": list(verdict.ignored),
+            **facts,
         }, indent=2) + "\n")
         return 1 if problems else 0
     for p in problems:
@@ -455,5 +480,6 @@ def run_validate(path: Path, rules: Rules, *, as_json: bool, out: TextIO) -> int
         out.write(f"note  {len(verdict.ignored)} entries the engine never reads are left out "
                   f"(never fetched or published): {listed(verdict.ignored)}\n")
     if not problems:
-        out.write(f"OK {path}\n")
+        shown_facts = "".join(f" {key}={value}" for key, value in facts.items())
+        out.write(f"OK {path}{shown_facts}\n")
     return 1 if problems else 0

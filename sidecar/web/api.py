@@ -248,6 +248,8 @@ def adapter_view(services: Services, adapter: CachedAdapter) -> dict[str, Any]:
         "leases": store.lease_count(adapter.adapter_id),
         "source": adapter.record.source,
         "content_digest": adapter.record.content_digest,
+        "signature": (None if adapter.record.signature is None
+                      else adapter.record.signature.to_json()),
         # Set when this id was staged before with other bytes (the registry changed under it).
         "registry_changed": replaced,
         "files": {name: f.size_bytes for name, f in sorted(adapter.record.files.items())},
@@ -268,6 +270,10 @@ def _stage_json(services: Services, result: StageResult, lora_name: str) -> str:
             "local_path": services.local_adapters_prefix + adapter.adapter_id,
             "size_bytes": adapter.size_bytes,
             "content_digest": adapter.record.content_digest,
+            # Who vouched for those bytes, when the signing policy verified a signature.
+            "signer": adapter.record.signer,
+            "signer_identity": (adapter.record.signature.identity
+                                if adapter.record.signature is not None else None),
         })[:-1]
         cached = (adapter, fragment)
         services.stage_fragments[adapter.adapter_id] = cached

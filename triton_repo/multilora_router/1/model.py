@@ -30,6 +30,7 @@ class _Call:
     prompt: str
     adapter_id: str
     sampling_json: str | None
+    request_id: str
 
 
 class TritonPythonModel:
@@ -45,6 +46,16 @@ class TritonPythonModel:
         self._logger = pb_utils.Logger
         self._pool = ThreadPoolExecutor(max_workers=self._settings.max_concurrent_requests,
                                         thread_name_prefix="router")
+        # Response parameters came with the Python backend of Triton 24.11; the 2.51 build the
+        # tests run (nvidia-pytriton) has none. The output tensors carry the same facts.
+        try:
+            pb_utils.InferenceResponse(output_tensors=[], parameters={})
+            self._parameters = True
+        except TypeError:
+            self._parameters = False
+            self._logger.log_info("multilora_router: this Python backend has no response "
+                                  "parameters; content_digest, signer and signer_identity "
+                                  "are answered as output tensors only")
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -67,9 +78,10 @@ class TritonPythonModel:
             _optional_text(request, "adapter_id"), request.parameters(),
             self._settings.adapter_id_header)
         return _Call(_text(request, "prompt"), adapter_id,
-                     _optional_text(request, "sampling_parameters"))
+                     _optional_text(request, "sampling_parameters"), request.request_id())
 
     def _answer(self, call: _Call, sender: Any) -> None:
+        leases: list[routing.Lease] = []
         try:
             text = routing.route(
                 prompt=call.prompt,
@@ -81,18 +93,27 @@ class TritonPythonModel:
                 warn=self._logger.log_warn,
                 holds=self._holds,
                 info=self._logger.log_info,
+                on_lease=leases.append,
             )
+            response = self._response(text, leases[-1], call.request_id)
         except routing.RouteError as exc:
             response = _error_response(exc)
         except Exception as exc:  # a thread has no caller to raise to: the client must hear
             self._logger.log_error(f"multilora_router failed on {call.adapter_id}: {exc!r}")
             response = pb_utils.InferenceResponse(error=pb_utils.TritonError(
                 f"multilora_router failed: {exc!r}", pb_utils.TritonError.INTERNAL))
-        else:
-            output = pb_utils.Tensor("generated_text",
-                                     np.array([text.encode("utf-8")], dtype=object))
-            response = pb_utils.InferenceResponse(output_tensors=[output])
         self._send(sender, response)
+
+    def _response(self, text: str, lease: routing.Lease, request_id: str) -> Any:
+        """generated_text, and which adapter bytes answered it (the content digest and who
+        signed them): response parameters, output tensors, and a log line with the request id."""
+        facts = routing.provenance(lease)
+        outputs = [_text_tensor("generated_text", text)]
+        outputs += [_text_tensor(name, facts[name]) for name in routing.PROVENANCE]
+        self._logger.log_info(routing.provenance_line(request_id, lease))
+        if self._parameters:
+            return pb_utils.InferenceResponse(output_tensors=outputs, parameters=facts)
+        return pb_utils.InferenceResponse(output_tensors=outputs)
 
     def _send(self, sender: Any, response: Any) -> None:
         try:
@@ -125,6 +146,10 @@ class TritonPythonModel:
                         yield piece.decode("utf-8") if isinstance(piece, bytes) else str(piece)
         except pb_utils.TritonModelException as exc:
             raise routing.VllmError(str(exc)) from exc
+
+
+def _text_tensor(name: str, text: str) -> Any:
+    return pb_utils.Tensor(name, np.array([text.encode("utf-8")], dtype=object))
 
 
 def _error_response(exc: routing.RouteError) -> Any:

@@ -209,6 +209,29 @@ class Lease:
     path: str
     cached: bool
     lora_name: str  # the name vllm_model knows the adapter by: its id, or a spare catalog name
+    # Which bytes answer (`sha256:` of the files' SHA256SUMS text) and who signed them, when the
+    # sidecar's signing policy verified a signature: on the router's response and in its log.
+    content_digest: str | None = None
+    signer: str | None = None
+    signer_identity: str | None = None
+
+
+PROVENANCE = ("content_digest", "signer", "signer_identity")
+
+
+def provenance(lease: Lease) -> dict[str, str]:
+    """What the router's response says of the adapter bytes that answered (response parameters,
+    and output tensors of the same names): "" where the sidecar said nothing (no signature)."""
+    return {"content_digest": lease.content_digest or "", "signer": lease.signer or "",
+            "signer_identity": lease.signer_identity or ""}
+
+
+def provenance_line(request_id: str, lease: Lease) -> str:
+    """The router's log line for an answered request: the request id with those facts."""
+    facts = provenance(lease)
+    return (f"multilora_router answered request_id={request_id or '-'} "
+            f"adapter_id={lease.adapter_id} lora_name={lease.lora_name} "
+            + " ".join(f"{key}={facts[key] or '-'}" for key in PROVENANCE))
 
 
 def requested_adapter_id(input_value: str | None, parameters_json: str | None,
@@ -372,7 +395,10 @@ class SidecarClient:
             try:
                 return Lease(str(body["adapter_id"]), str(body["lease_id"]), str(body["path"]),
                              bool(body.get("cached", False)),
-                             str(body.get("lora_name") or body["adapter_id"]))
+                             str(body.get("lora_name") or body["adapter_id"]),
+                             _text_or_none(body.get("content_digest")),
+                             _text_or_none(body.get("signer")),
+                             _text_or_none(body.get("signer_identity")))
             except KeyError as exc:
                 raise RouteError(Status.INTERNAL,
                                  f"sidecar's /stage answer has no {exc.args[0]!r}") from exc
@@ -419,6 +445,10 @@ class SidecarClient:
             f"sidecar unreachable at {self.settings.sidecar_url} ({path}): {reason}; "
             "check that lora-sidecar is running and the router's sidecar_url",
         )
+
+
+def _text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -563,12 +593,14 @@ def route(
     warn: Callable[[str], None] = lambda message: None,
     holds: Holds | None = None,
     info: Callable[[str], None] = lambda message: None,
+    on_lease: Callable[[Lease], None] = lambda lease: None,
 ) -> str:
     """Generated text for `prompt` with `adapter_id`; RouteError says why not.
 
     `generate(prompt, sampling_parameters_json)` yields text pieces (a decoupled BLS call in
     Triton) and raises VllmError. The lease is released whatever happens after staging. While
     no engine serves the adapter (a reload) the request is held (`holds`), then answered.
+    `on_lease` hears each lease before its generation (the last one heard answered).
     """
     if not adapter_id.strip():
         raise RouteError(Status.INVALID_ARG, "adapter_id is empty")
@@ -584,6 +616,7 @@ def route(
                     raise
                 hold.wait(exc)
                 continue
+            on_lease(lease)
             try:
                 text = "".join(generate(prompt, sampling_parameters(sampling_json,
                                                                     lease.lora_name)))
