@@ -8,7 +8,6 @@ Usage: python -m benchmarks.router_overhead [--calls 300] [--instances 1,2,4,8]
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import queue
@@ -30,11 +29,11 @@ import tritonclient.grpc as grpcclient
 from sidecar.examples import write_adapter
 from sidecar.validation.shapes import TINY_LLAMA
 from tests.triton.harness import (
-    REPO_ROOT,
     ROUTER,
     VLLM_MODEL,
     TritonServer,
     free_port,
+    import_router,
     router_config,
 )
 
@@ -89,7 +88,7 @@ class SidecarRoundTrip:
     """The router's two sidecar calls alone (/stage on a hit, /release), with its own code."""
 
     def __init__(self, sidecar_url: str) -> None:
-        routing = _load_routing()
+        routing = import_router()
         self._client = routing.SidecarClient(routing.RouterSettings(sidecar_url=sidecar_url))
 
     def lora_name(self) -> str:
@@ -101,16 +100,6 @@ class SidecarRoundTrip:
     def __call__(self) -> None:
         lease = self._client.stage(ADAPTER_ID)
         self._client.release(lease.lease_id)
-
-
-def _load_routing() -> Any:
-    path = REPO_ROOT / "triton_repo" / ROUTER / "1" / "routing.py"
-    spec = importlib.util.spec_from_file_location("multilora_routing", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def latencies_ms(paths: dict[str, Callable[[], None]], calls: int,

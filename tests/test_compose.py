@@ -4,7 +4,6 @@ hadolint, docker-py's .dockerignore), and the dashboard's queries against a live
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -17,7 +16,6 @@ import uuid
 import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -27,6 +25,7 @@ from sidecar.config import OPTIONS, Settings, TritonReload
 from sidecar.examples import write_adapter
 from sidecar.validation.shapes import TINY_LLAMA
 from tests.processes import SidecarProcess, stage_blocking
+from tests.triton.harness import import_router
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose"
@@ -371,25 +370,11 @@ def test_sidecar_environment_names_only_real_settings_and_parses(
     assert settings.host == "0.0.0.0"
 
 
-def _load_routing() -> ModuleType:
-    path = TRITON_REPO / "multilora_router" / "1" / "routing.py"
-    spec = importlib.util.spec_from_file_location("compose_test_routing", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    saved, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # none in triton_repo
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.dont_write_bytecode = saved
-    return module
-
-
 def test_router_in_triton_reaches_the_sidecar_service_with_its_token(
     resolved: dict[str, Any],
 ) -> None:
     services = resolved["services"]
-    routing = _load_routing()
+    routing = import_router()
     settings = routing.RouterSettings.from_deployment({}, services["triton"]["environment"])
     port = services["sidecar"]["environment"]["LORA_SIDECAR_PORT"]
     assert settings.sidecar_url == f"http://sidecar:{port}"

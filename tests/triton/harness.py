@@ -20,6 +20,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +33,20 @@ ADAPTER_HEADER = "x-adapter-id"
 # How a deployment starts Triton so the router sees the header a routing proxy hashes on.
 HEADER_FORWARD_ARGS = (f"--grpc-header-forward-pattern=^{ADAPTER_HEADER}$",
                        f"--http-header-forward-pattern=^{ADAPTER_HEADER}$")
+
+
+def import_router(module: str = "routing") -> ModuleType:
+    """A module of the router (multilora_router/1/) imported as Triton's Python backend imports
+    it: with its folder on sys.path, so the modules beside it import too. Nothing is compiled
+    into a __pycache__ inside the checked-in model repository."""
+    folder = str(TRITON_REPO / ROUTER / "1")
+    if folder not in sys.path:
+        sys.path.append(folder)
+    saved, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.dont_write_bytecode = saved
 
 
 def pytriton_dir() -> Path:

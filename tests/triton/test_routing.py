@@ -3,41 +3,22 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import socket
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 from aiohttp import web
 
 from tests.recording_proxy import RecordingProxy
-from tests.triton.harness import ROUTER, TRITON_REPO
+from tests.triton.harness import ROUTER, TRITON_REPO, import_router
 
-
-def _load_routing() -> ModuleType:
-    path = TRITON_REPO / ROUTER / "1" / "routing.py"
-    spec = importlib.util.spec_from_file_location("multilora_routing", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    # No __pycache__ inside the checked-in model repository.
-    saved, sys.dont_write_bytecode = sys.dont_write_bytecode, True
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.dont_write_bytecode = saved
-    return module
-
-
-routing = _load_routing()
+routing = import_router()
 Status = routing.Status
 
 

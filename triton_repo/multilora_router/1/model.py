@@ -1,5 +1,5 @@
-"""Triton shell of the router: tensors in, `routing.route`, tensors out. The logic and its
-tests live with routing.py; this file only converts.
+"""Triton shell of the router: tensors in, `routing.route`, tensors out. The logic lives in
+routing.py and the router_*.py modules beside it, tested without Triton; this file only converts.
 
 Each request is answered from a worker thread through its response sender, and `execute`
 returns at once: a non-decoupled Python model in Triton 2.51 runs one `execute` per instance
