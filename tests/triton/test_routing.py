@@ -215,6 +215,9 @@ async def test_empty_adapter_id_is_refused(stub: StubSidecar) -> None:
     (502, error_body("registry_error", "access denied", cause="permission"), Status.INTERNAL,
      "access denied [cause: permission]"),
     (401, error_body("unauthorized", "token needed"), Status.INTERNAL, "(unauthorized)"),
+    # A sidecar_url that reaches something else: not the client's request at fault.
+    (404, error_body("not_found", "no such endpoint: /stage"), Status.INTERNAL,
+     "no such endpoint: /stage (not_found)"),
     (418, error_body("something_new", "a code this router predates"), Status.INVALID_ARG,
      "a code this router predates (something_new)"),
     (500, "<html>proxy error</html>", Status.INTERNAL, "not JSON"),
@@ -715,6 +718,7 @@ def test_the_header_name_is_a_parameter() -> None:
     (503, "catalog_reloading", True),
     (503, "cache_not_writable", True),
     (503, "registry_unavailable", True),
+    (503, "registry_transient", True),
     (504, "stage_timeout", True),
     (507, "a_future_storage_code", True),
     (404, "adapter_not_found", False),

@@ -48,17 +48,19 @@ class VllmError(Exception):
         self.code = code
 
 
-# The sidecar's stable error codes, and what each means to a Triton client. UNAVAILABLE is the
-# one status a routing proxy retries on another node, so it is kept for what another node can
-# help with (this node's cache cannot fit the adapter, is not ready, its engine has not loaded
-# the catalog yet or is down); what is wrong with the adapter or the request itself is never
+# Every code the sidecar answers (each SidecarError's `code`, and its HTTP layer's own), and
+# what it means to a Triton client; tests/triton/test_router_errors.py keeps the two in step.
+# UNAVAILABLE is the one status a routing proxy retries on another node, so it is kept for what
+# another node can help with; what is wrong with the adapter or the request itself is never
 # UNAVAILABLE, since every node would answer the same.
 STATUS_BY_CODE: Mapping[str, Status] = {
     "adapter_not_found": Status.NOT_FOUND,
     "invalid_adapter_id": Status.INVALID_ARG,
     "invalid_request": Status.INVALID_ARG,
     "invalid_adapter": Status.INVALID_ARG,
+    # This node, now: its registry link, cache, catalog or engine.
     "registry_unavailable": Status.UNAVAILABLE,
+    "registry_transient": Status.UNAVAILABLE,
     "registry_object_changed": Status.UNAVAILABLE,
     "catalog_pending": Status.UNAVAILABLE,
     "catalog_reloading": Status.UNAVAILABLE,
@@ -66,9 +68,19 @@ STATUS_BY_CODE: Mapping[str, Status] = {
     "stage_timeout": Status.UNAVAILABLE,
     "cache_full": Status.UNAVAILABLE,
     "cache_not_writable": Status.UNAVAILABLE,
+    "request_timeout": Status.UNAVAILABLE,  # the router's request body was slow to arrive
+    # The deployment, not the request: the registry's credentials, the router's token.
     "registry_error": Status.INTERNAL,
     "unauthorized": Status.INTERNAL,
     "request_too_large": Status.INTERNAL,
+    "internal_error": Status.INTERNAL,
+    # Never answered to /stage or /release: a sidecar_url that reaches something else.
+    "not_found": Status.INTERNAL,
+    "method_not_allowed": Status.INTERNAL,
+    "not_cached": Status.INTERNAL,
+    "lease_not_found": Status.INTERNAL,  # from /release, which only warns
+    "adapter_in_use": Status.INTERNAL,
+    "catalog_disabled": Status.INTERNAL,
 }
 # What says no engine serves a catalog that names the adapter yet (a reload in progress, a
 # generation being loaded, the engine restarting): held, not failed, up to `hold_s`.
