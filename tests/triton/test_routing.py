@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from tests.observing import eventually
 from tests.recording_proxy import RecordingProxy
 from tests.triton.harness import ROUTER, TRITON_REPO, import_router
 
@@ -605,12 +606,33 @@ async def test_a_connection_the_sidecar_closed_while_idle_is_replaced_without_an
     try:
         sidecar = new_client(routing.RouterSettings(sidecar_url=url))
         first = await asyncio.to_thread(routing.route, "p", "a1", None, sidecar, FakeVllm())
-        await asyncio.sleep(0.6)
+        await eventually(lambda: _no_connections(runner), timeout_s=10,
+                         what="the sidecar closing its idle connection")
         second = await asyncio.to_thread(routing.route, "p", "a1", None, sidecar, FakeVllm())
     finally:
         await runner.cleanup()
 
     assert first == second == "hello world"
+    assert sidecar.connections_opened == 2
+    assert len(set(peers)) == 2
+
+
+async def _no_connections(runner: web.AppRunner) -> bool:
+    return runner.server is not None and not runner.server.connections
+
+
+async def test_a_connection_idle_past_30_s_by_the_routers_clock_is_not_taken_again() -> None:
+    clock = FakeClock()
+    runner, url, peers = await serve_sidecar()
+    try:
+        sidecar = new_client(routing.RouterSettings(sidecar_url=url), clock=clock,
+                             pause=clock.pause)
+        await asyncio.to_thread(routing.route, "p", "a1", None, sidecar, FakeVllm())
+        clock.now_s += 31.0  # no real wait: the pool reads the clock it was given
+        await asyncio.to_thread(routing.route, "p", "a1", None, sidecar, FakeVllm())
+    finally:
+        await runner.cleanup()
+
     assert sidecar.connections_opened == 2
     assert len(set(peers)) == 2
 

@@ -71,7 +71,7 @@ class SidecarClient:
         self.settings = settings
         self._clock = clock
         self._pause = pause
-        self._connections = Connections(settings.sidecar_url, time.monotonic)
+        self._connections = Connections(settings.sidecar_url, clock)
         self._headers = {"Content-Type": "application/json"}
         if settings.api_token:
             self._headers["Authorization"] = f"Bearer {settings.api_token}"
