@@ -17,7 +17,7 @@ from aiohttp import web
 
 from tests.observing import eventually
 from tests.recording_proxy import RecordingProxy
-from tests.triton.harness import ROUTER, TRITON_REPO, import_router
+from tests.triton.harness import import_router
 
 routing = import_router()
 Status = routing.Status
@@ -483,30 +483,7 @@ async def test_a_failed_release_only_warns(stub: StubSidecar) -> None:
     assert "could not release lease lease-a1 of a1" in warnings[0]
 
 
-# ---- settings ----------------------------------------------------------------------------------
-
-
-def test_settings_default_to_the_checked_in_config() -> None:
-    config = (TRITON_REPO / ROUTER / "config.pbtxt").read_text()
-    settings = routing.RouterSettings.from_parameters({})
-
-    for key, value in (("sidecar_url", settings.sidecar_url),
-                       ("stage_timeout_s", f"{settings.stage_timeout_s:g}"),
-                       ("sidecar_timeout_s", f"{settings.sidecar_timeout_s:g}"),
-                       ("vllm_model", settings.vllm_model)):
-        assert f'key: "{key}"\n  value: {{ string_value: "{value}" }}' in config
-
-
-def test_settings_gather_every_problem(tmp_path: Path) -> None:
-    with pytest.raises(ValueError) as caught:
-        routing.RouterSettings.from_parameters({
-            "sidecar_url": "localhost:8500", "stage_timeout_s": "soon",
-            "sidecar_timeout_s": "-1", "sidecar_api_token_file": str(tmp_path / "missing"),
-        })
-
-    message = str(caught.value)
-    for part in ("sidecar_url", "stage_timeout_s", "sidecar_timeout_s", "sidecar_api_token_file"):
-        assert part in message
+# ---- the connection to the sidecar -----------------------------------------------------------
 
 
 async def test_token_file_is_sent_as_a_bearer_token(tmp_path: Path) -> None:
@@ -538,29 +515,6 @@ async def test_token_file_is_sent_as_a_bearer_token(tmp_path: Path) -> None:
         await runner.cleanup()
 
     assert seen == ["Bearer s3cret"]
-
-
-def test_the_containers_environment_overrides_the_parameters(tmp_path: Path) -> None:
-    token_file = tmp_path / "token"
-    token_file.write_text("from-file\n")
-    parameters = {"sidecar_url": "http://127.0.0.1:8500", "stage_timeout_s": "30"}
-
-    plain = routing.RouterSettings.from_deployment(parameters, {"LORA_SIDECAR_URL": " "})
-    from_file = routing.RouterSettings.from_deployment(parameters, {
-        "LORA_SIDECAR_URL": "http://sidecar:8500",
-        "LORA_SIDECAR_API_TOKEN_FILE": str(token_file),
-    })
-    from_env = routing.RouterSettings.from_deployment(parameters, {
-        "LORA_SIDECAR_API_TOKEN_FILE": str(token_file), "LORA_SIDECAR_API_TOKEN": "direct",
-    })
-
-    assert (plain.sidecar_url, plain.api_token) == ("http://127.0.0.1:8500", None)
-    assert (from_file.sidecar_url, from_file.api_token) == ("http://sidecar:8500", "from-file")
-    assert from_file.stage_timeout_s == 30
-    assert from_env.api_token == "direct"
-
-
-# ---- the connection to the sidecar -----------------------------------------------------------
 
 
 async def serve_sidecar(keepalive_timeout_s: float = 75.0) -> tuple[web.AppRunner, str,
@@ -684,50 +638,6 @@ async def test_proxy_variables_never_divert_a_sidecar_call(
 
 def client_for(url: str) -> Any:
     return new_client(routing.RouterSettings(sidecar_url=url))
-
-
-# ---- the adapter id: header or input ---------------------------------------------------------
-
-
-@pytest.mark.parametrize(("input_value", "parameters", "expected"), [
-    ("a1", None, "a1"),
-    ("a1", "{}", "a1"),
-    (None, '{"x-adapter-id": "a2"}', "a2"),
-    (None, '{"X-Adapter-Id": "a2"}', "a2"),  # Triton keeps an HTTP header's spelling
-    ("", '{"x-adapter-id": "a2"}', "a2"),
-    ("a3", '{"x-adapter-id": "a3", "other": 1}', "a3"),
-])
-def test_the_adapter_comes_from_the_header_or_the_input(
-    input_value: str | None, parameters: str | None, expected: str
-) -> None:
-    assert routing.requested_adapter_id(input_value, parameters) == expected
-
-
-@pytest.mark.parametrize(("input_value", "parameters", "expected"), [
-    ("a1", '{"x-adapter-id": "a2"}', "name different adapters"),
-    (None, None, "send the x-adapter-id header or the adapter_id input"),
-    (None, '{"x-adapter-id": 7}', "as a string"),
-])
-def test_a_missing_or_conflicting_adapter_id_is_an_invalid_argument(
-    input_value: str | None, parameters: str | None, expected: str
-) -> None:
-    with pytest.raises(routing.RouteError) as caught:
-        routing.requested_adapter_id(input_value, parameters)
-
-    assert caught.value.status is Status.INVALID_ARG
-    assert expected in caught.value.message
-
-
-def test_the_header_name_is_a_parameter() -> None:
-    settings = routing.RouterSettings.from_parameters({"adapter_id_header": "X-Tenant-Adapter"})
-
-    assert settings.adapter_id_header == "x-tenant-adapter"
-    assert routing.requested_adapter_id(None, '{"x-tenant-adapter": "t1"}',
-                                        settings.adapter_id_header) == "t1"
-    with pytest.raises(ValueError, match="adapter_id_header"):
-        routing.RouterSettings.from_parameters({"adapter_id_header": "bad header"})
-    with pytest.raises(ValueError, match="max_concurrent_requests"):
-        routing.RouterSettings.from_parameters({"max_concurrent_requests": "0"})
 
 
 # ---- what a routing proxy may retry on another node -------------------------------------------
