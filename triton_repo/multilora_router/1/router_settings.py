@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -30,22 +30,28 @@ class RouterSettings:
     @classmethod
     def from_parameters(cls, parameters: Mapping[str, str]) -> RouterSettings:
         """From config.pbtxt `parameters` (key -> string_value); ValueError lists every problem."""
-        problems: list[str] = []
         default = cls()
+        problems: list[str] = []
+
+        def number(name: str, parse: Callable[[str], float], ok: Callable[[float], bool],
+                   rule: str) -> float:
+            raw = parameters.get(name, str(getattr(default, name)))
+            try:
+                value = parse(raw)
+            except ValueError:
+                value = math.nan  # fails every `ok`
+            if not ok(value):
+                problems.append(f"{name} {raw!r}: must be {rule}")
+            return value
+
         url = parameters.get("sidecar_url", default.sidecar_url).strip().rstrip("/")
         if not url.startswith(("http://", "https://")):
             problems.append(f"sidecar_url {url!r}: use http://host:port")
-        timeouts: dict[str, float] = {}
-        for name in ("stage_timeout_s", "sidecar_timeout_s", "hold_s"):
-            raw = parameters.get(name, str(getattr(default, name)))
-            try:
-                timeouts[name] = float(raw)
-            except ValueError:
-                timeouts[name] = -1.0
-            least = 0.0 if name == "hold_s" else math.nextafter(0.0, 1.0)
-            if not (math.isfinite(timeouts[name]) and timeouts[name] >= least):
-                problems.append(f"{name} {raw!r}: must be a number of seconds "
-                                + ("0 or more" if name == "hold_s" else "greater than 0"))
+        seconds = "a number of seconds greater than 0"
+        stage_timeout_s = number("stage_timeout_s", float, _positive, seconds)
+        sidecar_timeout_s = number("sidecar_timeout_s", float, _positive, seconds)
+        hold_s = number("hold_s", float, lambda s: _positive(s) or s == 0,
+                        "a number of seconds 0 or more")
         vllm_model = parameters.get("vllm_model", default.vllm_model).strip()
         if not vllm_model:
             problems.append("vllm_model must name the vLLM model")
@@ -53,21 +59,9 @@ class RouterSettings:
         if not _HEADER_NAME.fullmatch(header):
             problems.append(f"adapter_id_header {header!r}: use a lower-case header name such "
                             "as x-adapter-id (gRPC metadata keys are lower-case)")
-        raw = parameters.get("max_concurrent_requests", str(default.max_concurrent_requests))
-        try:
-            concurrency = int(raw)
-        except ValueError:
-            concurrency = 0
-        if not 1 <= concurrency <= 4096:
-            problems.append(f"max_concurrent_requests {raw!r}: must be a whole number "
-                            "from 1 to 4096")
-        raw = parameters.get("max_held_requests", str(default.max_held_requests))
-        try:
-            held = int(raw)
-        except ValueError:
-            held = -1
-        if held < 0:
-            problems.append(f"max_held_requests {raw!r}: must be a whole number, 0 or more")
+        concurrency = number("max_concurrent_requests", int, lambda n: 1 <= n <= 4096,
+                             "a whole number from 1 to 4096")
+        held = number("max_held_requests", int, lambda n: n >= 0, "a whole number, 0 or more")
         token: str | None = None
         token_file = parameters.get("sidecar_api_token_file", "").strip()
         if token_file:
@@ -77,8 +71,8 @@ class RouterSettings:
                 problems.append(f"sidecar_api_token_file {token_file}: {exc.strerror}")
         if problems:
             raise ValueError("multilora_router parameters: " + "; ".join(problems))
-        return cls(url, timeouts["stage_timeout_s"], timeouts["sidecar_timeout_s"], vllm_model,
-                   token, header, concurrency, timeouts["hold_s"], held)
+        return cls(url, stage_timeout_s, sidecar_timeout_s, vllm_model, token, header,
+                   int(concurrency), hold_s, int(held))
 
     @classmethod
     def from_deployment(cls, parameters: Mapping[str, str],
@@ -95,3 +89,6 @@ class RouterSettings:
         token = env.get("LORA_SIDECAR_API_TOKEN", "").strip()
         return replace(settings, api_token=token) if token else settings
 
+
+def _positive(seconds: float) -> bool:
+    return math.isfinite(seconds) and seconds > 0
