@@ -11,21 +11,17 @@ Needs the engine environment (make engine-env, or LORA_ENGINE_VENV) and the stoc
 from __future__ import annotations
 
 import argparse
-import logging
 import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from moto.server import ThreadedMotoServer
-
-from tests.engine.harness import REPO_ROOT, build_assets, ensure_engine_env, find_vllm_backend
+from benchmarks.engine_bench import engine_bench, markdown_table
+from tests.engine.harness import EngineAssets
 from tests.engine.node import EngineNode, start_node
 from tests.engine.surgery import variant
 from tests.engine.traffic import Clients, DiskSampler, summary
-
-CACHE = REPO_ROOT / "benchmarks" / ".work" / "engine"
 
 
 @dataclass
@@ -54,11 +50,11 @@ def metrics(node: EngineNode) -> dict[str, float]:
 
 
 def run_phase(name: str, max_adapters: int, folders: dict[str, Path], texts: dict[str, str],
-              work: Path, moto_url: str, backend: Path, assets: object, seconds: float,
+              work: Path, moto_url: str, backend: Path, assets: EngineAssets, seconds: float,
               clients: int, budget_bytes: int) -> Result:
     print(f"phase: {name} (--max-adapters {max_adapters}), starting a node", flush=True)
-    node = start_node(assets, work / name.replace(" ", "-"), moto_url,  # type: ignore[arg-type]
-                      backend, adapters=folders,
+    node = start_node(assets, work / name.replace(" ", "-"), moto_url, backend,
+                      adapters=folders,
                       sidecar_args=["--max-adapters", str(max_adapters),
                                     "--max-bytes", str(budget_bytes)])
     try:
@@ -101,11 +97,7 @@ def table(results: list[Result]) -> str:
             f"{r.reloads:.0f}", f"{r.stages[0]:.0f} / {r.stages[1]:.0f}",
             " / ".join(f"{r.names[c]:.0f}" for c in ("bound", "parked", "returned", "burnt")),
             f"{r.max_adapter_bytes} / {r.budget_bytes}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) + " |"
-             for row in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
+    return markdown_table(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,35 +107,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="traffic per phase (default 600)")
     parser.add_argument("--clients", type=int, default=4, help="gRPC clients (default 4)")
     args = parser.parse_args(argv)
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's access log
-
-    env = ensure_engine_env()
-    CACHE.mkdir(parents=True, exist_ok=True)
-    assets = build_assets(env, CACHE)
-    backend = find_vllm_backend(CACHE)
-    if backend.path is None:
-        raise SystemExit("the stock Triton vLLM backend was not found: " + backend.fix())
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    moto.start()
-    host, port = moto.get_host_and_port()
     results = []
-    try:
-        with tempfile.TemporaryDirectory(prefix="churn-bench-") as scratch:
-            work = Path(scratch)
-            folders = {f"bench-{n:03d}": variant(assets.adapter(f"tenant-{n % 4}"),
-                                                 work / f"v{n}", lora_alpha=1.0 + 0.75 * n)
-                       for n in range(args.adapters)}
-            references = assets.references(folders)
-            texts = {name: references[name].text or "" for name in folders}
-            size = max(sum(p.stat().st_size for p in f.iterdir()) for f in folders.values())
-            quarter = max(1, args.adapters // 4)
-            for name, count in (("a quarter of the registry", quarter),
-                                ("everything fits", args.adapters)):
-                results.append(run_phase(name, count, folders, texts, work,
-                                         f"http://{host}:{port}", backend.path, assets,
-                                         args.seconds, args.clients, count * size))
-    finally:
-        moto.stop()
+    with engine_bench() as bench, tempfile.TemporaryDirectory(prefix="churn-bench-") as scratch:
+        work = Path(scratch)
+        assets = bench.assets
+        folders = {f"bench-{n:03d}": variant(assets.adapter(f"tenant-{n % 4}"),
+                                             work / f"v{n}", lora_alpha=1.0 + 0.75 * n)
+                   for n in range(args.adapters)}
+        references = assets.references(folders)
+        texts = {name: references[name].text or "" for name in folders}
+        size = max(sum(p.stat().st_size for p in f.iterdir()) for f in folders.values())
+        quarter = max(1, args.adapters // 4)
+        for name, count in (("a quarter of the registry", quarter),
+                            ("everything fits", args.adapters)):
+            results.append(run_phase(name, count, folders, texts, work, bench.moto_url,
+                                     bench.backend, assets, args.seconds, args.clients,
+                                     count * size))
     print()
     print(f"Zipf (s=1.1) traffic through the router, {args.clients} gRPC clients without "
           f"retries, {args.adapters} adapters in the registry, {args.seconds:g} s per phase; "

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import statistics
 import tempfile
@@ -22,12 +21,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from moto.server import ThreadedMotoServer
-
-from tests.engine.harness import REPO_ROOT, build_assets, ensure_engine_env, find_vllm_backend
+from benchmarks.engine_bench import engine_bench
+from tests.engine.harness import EngineAssets
 from tests.engine.node import EngineNode, start_node
-
-CACHE = REPO_ROOT / "benchmarks" / ".work" / "engine"
 
 
 @dataclass
@@ -59,17 +55,17 @@ def render_seconds(node: EngineNode) -> float:
 
 
 def measure(names: int, requests: int, work: Path, moto_url: str, backend: Path,
-            assets: object) -> Row:
+            assets: EngineAssets) -> Row:
     print(f"{names} names: starting a node", flush=True)
-    node = start_node(assets, work / f"n{names}", moto_url, backend,  # type: ignore[arg-type]
-                      adapters={"steady": assets.adapter("tenant-0")},  # type: ignore[attr-defined]
+    node = start_node(assets, work / f"n{names}", moto_url, backend,
+                      adapters={"steady": assets.adapter("tenant-0")},
                       sidecar_args=["--log-format", "json", "--spare-names", str(names),
                                     "--spare-names-max", str(max(names, 1))])
     try:
         memory = node.sample_memory()
         # The adapter gets a spare at a random place in the list; the backend's scan of the
         # whole list is timed on its own below.
-        expected = assets.text("tenant-0")  # type: ignore[attr-defined]
+        expected = assets.text("tenant-0")
         assert node.ask("steady") == expected
         timings = []
         for _ in range(requests):
@@ -102,25 +98,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="router requests timed per run (default 100)")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.names.split(",")]
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-
-    env = ensure_engine_env()
-    CACHE.mkdir(parents=True, exist_ok=True)
-    assets = build_assets(env, CACHE)
-    backend = find_vllm_backend(CACHE)
-    if backend.path is None:
-        raise SystemExit("the stock Triton vLLM backend was not found: " + backend.fix())
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    moto.start()
-    host, port = moto.get_host_and_port()
     rows = []
-    try:
-        with tempfile.TemporaryDirectory(prefix="name-cost-") as scratch:
-            for count in counts:
-                rows.append(measure(count, args.requests, Path(scratch), f"http://{host}:{port}",
-                                    backend.path, assets))
-    finally:
-        moto.stop()
+    with engine_bench() as bench, tempfile.TemporaryDirectory(prefix="name-cost-") as scratch:
+        for count in counts:
+            rows.append(measure(count, args.requests, Path(scratch), bench.moto_url,
+                                bench.backend, bench.assets))
     print()
     print("What a catalogued name costs: vLLM 0.13 on CPU behind the stock backend (tiny "
           "Llama), one adapter served through a spare name")

@@ -11,7 +11,6 @@ Needs the engine environment (make engine-env, or LORA_ENGINE_VENV) and the stoc
 from __future__ import annotations
 
 import argparse
-import logging
 import statistics
 import tempfile
 import threading
@@ -22,14 +21,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moto.server import ThreadedMotoServer
-
+from benchmarks.engine_bench import engine_bench, markdown_table
 from tests.engine.harness import (
     REPO_ROOT,
-    EngineAssets,
-    build_assets,
-    ensure_engine_env,
-    find_vllm_backend,
 )
 from tests.engine.node import EngineNode, start_node
 from tests.engine.surgery import variant
@@ -116,11 +110,7 @@ def table(phases: list[Phase]) -> str:
         rows.append((p.name, str(len(p.upload_to_answer_s)), spread(p.upload_to_answer_s),
                      spread(p.download_to_answer_s), str(p.repository_calls),
                      f"{p.other_calls} / {p.other_errors}", str(p.wrong_answers)))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) + " |"
-             for row in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
+    return markdown_table(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,32 +122,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-unload-first", action="store_true",
                         help="skip the --spare-names 0 --triton-reload unload-first phase")
     args = parser.parse_args(argv)
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # moto's access log
-
-    env = ensure_engine_env()
-    CACHE.mkdir(parents=True, exist_ok=True)
-    assets: EngineAssets = build_assets(env, CACHE)
-    backend = find_vllm_backend(CACHE)
-    if backend.path is None:
-        raise SystemExit("the stock Triton vLLM backend was not found: " + backend.fix())
     modes = [("spare names (default 32)", [], args.adapters),
              ("--spare-names 0, on-change", ["--spare-names", "0"], args.reload_adapters)]
     if not args.no_unload_first:
         modes.append(("--spare-names 0, unload-first",
                       ["--spare-names", "0", "--triton-reload", "unload-first"],
                       args.reload_adapters))
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    moto.start()
-    host, port = moto.get_host_and_port()
     phases: list[Phase] = []
-    with tempfile.TemporaryDirectory(prefix="new-adapter-bench-") as scratch:
+    with engine_bench() as bench, tempfile.TemporaryDirectory(prefix="new-adapter-") as scratch:
+        assets = bench.assets
         work = Path(scratch)
         folders = {}
         for n in range(sum(count for _, _, count in modes)):
             folders[f"bench-{n}"] = variant(assets.adapter(f"tenant-{n % 4}"), work / f"v{n}",
                                             lora_alpha=3.0 + 5.0 * n)
         references = assets.references(folders)
-        node = start_node(assets, work / "node", f"http://{host}:{port}", backend.path,
+        node = start_node(assets, work / "node", bench.moto_url, bench.backend,
                           adapters={"steady": assets.adapter("tenant-0")},
                           sidecar_args=["--log-format", "json"])
         try:
@@ -176,7 +156,6 @@ def main(argv: list[str] | None = None) -> int:
                 phases.append(measure(node, Phase(name), batch, steady))
         finally:
             node.stop()
-            moto.stop()
     print()
     print("A new adapter's first answer through the router, vLLM 0.13 on CPU (tiny Llama); "
           f"another tenant calls its adapter all along (waiting {BACKOFF_S:g} s after a failure)")
