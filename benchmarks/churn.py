@@ -11,13 +11,13 @@ Needs the engine environment (make engine-env, or LORA_ENGINE_VENV) and the stoc
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 import urllib.request
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.engine_bench import engine_bench, markdown_table
+from benchmarks.engine_bench import CACHE, engine_bench, markdown_table
 from tests.engine.harness import EngineAssets
 from tests.engine.node import EngineNode, start_node
 from tests.engine.surgery import variant
@@ -36,6 +36,7 @@ class Result:
     names: dict[str, float]
     max_adapter_bytes: int
     budget_bytes: int
+    errors: Counter[str]
 
 
 def metrics(node: EngineNode) -> dict[str, float]:
@@ -82,7 +83,8 @@ def run_phase(name: str, max_adapters: int, folders: dict[str, Path], texts: dic
          delta('lora_sidecar_stage_requests_total{result="miss"}')),
         {c: delta(f'lora_sidecar_catalog_name_changes_total{{change="{c}"}}')
          for c in ("bound", "parked", "returned", "burnt")},
-        max(sampler.adapter_bytes, default=0), budget_bytes)
+        max(sampler.adapter_bytes, default=0), budget_bytes,
+        Counter((a.error or "")[:160] for a in answers if a.error is not None))
 
 
 def table(results: list[Result]) -> str:
@@ -103,13 +105,18 @@ def table(results: list[Result]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--adapters", type=int, default=24, help="registry size (default 24)")
+    parser.add_argument("--phases", default="quarter,fits",
+                        help="which phases, in order: quarter, fits (default both)")
     parser.add_argument("--seconds", type=float, default=600.0,
                         help="traffic per phase (default 600)")
     parser.add_argument("--clients", type=int, default=4, help="gRPC clients (default 4)")
     args = parser.parse_args(argv)
     results = []
-    with engine_bench() as bench, tempfile.TemporaryDirectory(prefix="churn-bench-") as scratch:
-        work = Path(scratch)
+    # Kept (git-ignored) with the nodes' logs, to look into what failed.
+    work = CACHE.parent / "churn" / time.strftime("%Y%m%dT%H%M%S")
+    work.mkdir(parents=True)
+    print(f"nodes' folders and logs: {work}", flush=True)
+    with engine_bench() as bench:
         assets = bench.assets
         folders = {f"bench-{n:03d}": variant(assets.adapter(f"tenant-{n % 4}"),
                                              work / f"v{n}", lora_alpha=1.0 + 0.75 * n)
@@ -118,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         texts = {name: references[name].text or "" for name in folders}
         size = max(sum(p.stat().st_size for p in f.iterdir()) for f in folders.values())
         quarter = max(1, args.adapters // 4)
-        for name, count in (("a quarter of the registry", quarter),
-                            ("everything fits", args.adapters)):
+        phases = {"quarter": ("a quarter of the registry", quarter),
+                  "fits": ("everything fits", args.adapters)}
+        for name, count in (phases[p] for p in args.phases.split(",")):
             results.append(run_phase(name, count, folders, texts, work, bench.moto_url,
                                      bench.backend, assets, args.seconds, args.clients,
                                      count * size))
@@ -128,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
           f"retries, {args.adapters} adapters in the registry, {args.seconds:g} s per phase; "
           "vLLM 0.13 on CPU (tiny Llama)")
     print(table(results))
+    for result in results:
+        for error, count in result.errors.most_common(5):
+            print(f"{result.name}: {count} x {error}")
     return 0
 
 
