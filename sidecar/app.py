@@ -223,14 +223,11 @@ class Sidecar:
             await asyncio.wait(self._tasks, timeout=SHUTDOWN_GRACE_S)
         await self.stager.close()
         await self.reloads.close()
-        await self.store.settle_trash()
+        await self.store.close()
         await self.source.close()
         if self._transfer_executor is not None:
             # Every download has waited for its threads; none is left running here.
             self._transfer_executor.shutdown(wait=False, cancel_futures=True)
-        journal, self.store.journal = self.store.journal, None
-        if journal is not None:
-            await asyncio.to_thread(journal.close)
         self.lock.release()  # last: everything of ours in the cache is settled
         if self._started:
             log.info("lora-sidecar stopped")

@@ -1,5 +1,6 @@
-"""Start-up recovery: re-index the cache's published folders, take back the lease journal and
-trim to the budget, one folder at a time in threads while the port already answers.
+"""Start-up recovery: re-index the cache's published folders and take back the lease journal
+(the store trims to its budget as it installs them), one folder at a time in threads while the
+port already answers.
 """
 
 from __future__ import annotations
@@ -97,9 +98,7 @@ async def recover(
         on_progress(checked, len(folders))
     for adapter_id in pins:
         store.pin(adapter_id)
-    store.install(records)
-    restored = store.restore_leases(leases)
-    store.journal = journal
+    installed = store.install(records, leases=leases, lease_journal=journal)
     try:
         # Nothing can lease yet (the API waits for recovery), so off the loop is safe.
         await asyncio.to_thread(journal.reset, store.live_leases())
@@ -107,13 +106,12 @@ async def recover(
         journal.failed = True
         log.warning("cannot write the lease journal %s (%s): leases will not survive a "
                     "restart", journal.path, exc.strerror or exc)
-    evicted = store.trim()
     elapsed_s = time.perf_counter() - started
     log.info("recovered cache in %.2fs: adopted=%d quarantined=%d leases=%d "
              "evicted_to_budget=%d bytes=%d", elapsed_s, len(records), quarantined,
-             restored, len(evicted), store.total_bytes,
+             installed.restored_leases, installed.evicted, store.total_bytes,
              extra=fields(event="recovered", adapters=len(records), quarantined=quarantined,
-                          leases=restored, duration_s=round(elapsed_s, 3)))
+                          leases=installed.restored_leases, duration_s=round(elapsed_s, 3)))
 
 
 def _signature_changed(folder: Path, record: AdapterRecord,

@@ -310,9 +310,6 @@ class Stager:
                      size_bytes / 1024**2 / max(elapsed, 1e-6),
                      extra=fields(event="staged", adapter_id=adapter_id, size_bytes=size_bytes,
                                   files=len(listing.files), duration_s=round(elapsed, 3)))
-            # Trimmed in the same loop step as the publication, never after an await: no
-            # request may see the cache over budget with an adapter nothing protects.
-            self._store.trim()
             await asyncio.to_thread(fsync_dir, self._store.adapters_dir)
         except SidecarError as exc:
             _log_failure(adapter_id, exc, time.perf_counter() - started)

@@ -1,7 +1,10 @@
 """The disk cache: index of published adapters, pins and claims, budget, publish and evict.
 
 State changes happen only on the event loop and only together with the one `rename()` that
-makes them true on disk, so the index and the folder under `adapters/` never disagree.
+makes them true on disk, so the index and the folder under `adapters/` never disagree. The store
+keeps its own budget: every change that can free room or add bytes (publish, adopt, install, a
+lease released or expired, an unpin, a claim dropped) trims it in the same step, and the folders
+it evicts are deleted by the store alone.
 """
 
 from __future__ import annotations
@@ -49,6 +52,14 @@ class Eviction:
 class Reservation:
     adapter_id: str
     size_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Installed:
+    """What a recovery's install did: leases taken back, adapters evicted to the budget."""
+
+    restored_leases: int
+    evicted: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,12 +182,20 @@ class AdapterStore:
         """The folder's record, checked against the files present (stat only, no hashing)."""
         return read_record(folder)
 
-    def install(self, records: Iterable[AdapterRecord]) -> None:
-        """Put recovered records into the index, oldest staged first (the LRU order)."""
+    def install(self, records: Iterable[AdapterRecord], *, leases: Iterable[JournalLease] = (),
+                lease_journal: LeaseJournal | None = None) -> Installed:
+        """Put recovered records into the index, oldest staged first (the LRU order), take back
+        the leases a previous process granted on them (before anything is trimmed) and the lease
+        journal that records new ones, then trim to the budget."""
         for record in sorted(records, key=lambda r: r.staged_at):
             self._index.add_newest(CachedAdapter(
                 record, last_used=record.staged_at, pinned=record.adapter_id in self._pins
             ))
+        restored = self._leases.restore(
+            lease for lease in leases if lease.adapter_id in self._index)
+        if lease_journal is not None:
+            self._leases.journal = lease_journal
+        return Installed(restored, len(self._restore_budget()))
 
     def quarantine(self, folder: Path, reason: str) -> Path:
         """Move a folder out of `adapters/` for an operator to inspect (blocking, a rename)."""
@@ -227,7 +246,11 @@ class AdapterStore:
         now = self._clock()
         adapter.last_used = now
         self._index.touch(adapter_id)
-        return self._leases.grant(adapter_id, now)
+        at_cap = len(self._leases) >= self._leases.max_leases
+        lease = self._leases.grant(adapter_id, now)
+        if at_cap:  # the oldest lease ended early: what it held may have to go
+            self._restore_budget()
+        return lease
 
     def touch(self, adapter_id: str) -> None:
         adapter = self._index[adapter_id]
@@ -235,10 +258,15 @@ class AdapterStore:
         self._index.touch(adapter_id)
 
     def release(self, lease_id: str) -> Lease:
-        return self._leases.release(lease_id)
+        lease = self._leases.release(lease_id)
+        self._restore_budget()
+        return lease
 
     def expire_leases(self) -> list[Lease]:
-        return self._leases.expire()
+        expired = self._leases.expire()
+        if expired:
+            self._restore_budget()
+        return expired
 
     def next_lease_expiry(self) -> float | None:
         """On the store's monotonic clock."""
@@ -250,12 +278,6 @@ class AdapterStore:
 
     def lease_count(self, adapter_id: str) -> int:
         return self._leases.count_of(adapter_id)
-
-    def restore_leases(self, leases: Iterable[JournalLease]) -> int:
-        """Take back the leases a previous process granted, for adapters still in the index;
-        before any trim. Returns how many were restored."""
-        return self._leases.restore(
-            lease for lease in leases if lease.adapter_id in self._index)
 
     @property
     def live_lease_count(self) -> int:
@@ -269,17 +291,10 @@ class AdapterStore:
     def max_leases(self) -> int:
         return self._leases.max_leases
 
-    @max_leases.setter
-    def max_leases(self, value: int) -> None:
-        self._leases.max_leases = value
-
     @property
-    def journal(self) -> LeaseJournal | None:
+    def lease_journal(self) -> LeaseJournal | None:
+        """Where grants and releases are written; None until the recovery installs it."""
         return self._leases.journal
-
-    @journal.setter
-    def journal(self, journal: LeaseJournal | None) -> None:
-        self._leases.journal = journal
 
     # ---- claims: a caller that will lease an adapter once its stage finishes ------------
 
@@ -292,6 +307,7 @@ class AdapterStore:
             self._claims[adapter_id] = left
         else:
             self._claims.pop(adapter_id, None)
+            self._restore_budget()
 
     def is_protected(self, adapter_id: str) -> bool:
         """Never evicted to make room: pinned, leased, or about to be leased."""
@@ -313,6 +329,7 @@ class AdapterStore:
         self._pins.discard(adapter_id)
         if adapter_id in self._index:
             self._index[adapter_id].pinned = False
+        self._restore_budget()
         return was
 
     # ---- budget ------------------------------------------------------------------------
@@ -373,8 +390,8 @@ class AdapterStore:
         """Evict LRU adapters until the disk will hold `needed_bytes` above the free-space floor.
 
         An evicted folder frees its blocks only once it is deleted from `.trash/` (the caller
-        does that, through take_trash, before writing), so free space is counted as measured
-        plus what the victims hold. Nothing is evicted if even every candidate would not do.
+        awaits settle_trash() before writing), so free space is counted as measured plus what
+        the victims hold. Nothing is evicted if even every candidate would not do.
         """
         free = shutil.disk_usage(self.root).free - self.min_free_bytes
         victims: list[str] = []
@@ -397,9 +414,11 @@ class AdapterStore:
         for victim in victims:
             self._evict_now(victim, EvictReason.LRU)
 
-    def trim(self) -> list[Eviction]:
+    def _restore_budget(self) -> list[Eviction]:
         """Evict in eviction order until the cache is within its budget; the evicted folders
-        are deleted off the loop."""
+        are deleted off the loop. Called by every change that can free room or add bytes, in
+        the same loop step: no request sees the cache over budget with an adapter nothing
+        protects."""
         evicted = []
         while len(self._index) > self.max_adapters or self.total_bytes > self.max_bytes:
             victim = next(eviction_order(self._index, self.is_protected), None)
@@ -418,7 +437,7 @@ class AdapterStore:
         return path
 
     def publish(self, staging: Path, record: AdapterRecord) -> CachedAdapter:
-        """Rename a complete, fsynced, validated staging folder into place and index it.
+        """Rename a complete, fsynced, validated staging folder into place, index it and trim.
 
         The caller fsyncs the files and the staging folder first, and `adapters/` after.
         """
@@ -431,13 +450,16 @@ class AdapterStore:
         adapter = CachedAdapter(record, last_used=self._clock(),
                                 pinned=record.adapter_id in self._pins)
         self._index.add_newest(adapter)
+        self._restore_budget()
         return adapter
 
     def adopt(self, record: AdapterRecord) -> CachedAdapter:
-        """Index a folder that appeared under `adapters/` and passed validation."""
+        """Index a folder that appeared under `adapters/` and passed validation (first to go),
+        and trim."""
         adapter = CachedAdapter(record, last_used=self._clock(),
                                 pinned=record.adapter_id in self._pins)
         self._index.add_oldest(adapter)
+        self._restore_budget()
         return adapter
 
     def evict(self, adapter_id: str, *, force: bool) -> Eviction:
@@ -502,7 +524,7 @@ class AdapterStore:
                               size_bytes=adapter.size_bytes, reason=reason.value,
                               age_s=round(age_s, 3)))
 
-    def take_trash(self) -> list[Path]:
+    def _take_trash(self) -> list[Path]:
         """Folders renamed into `.trash/` and not yet being deleted."""
         pending, self._trash_pending = self._trash_pending, []
         return pending
@@ -513,7 +535,7 @@ class AdapterStore:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return  # a blocking caller: settle_trash() or the next start deletes them
-        for folder in self.take_trash():
+        for folder in self._take_trash():
             task = loop.create_task(asyncio.to_thread(remove_tree, folder))
             self._deleting.add(task)
             task.add_done_callback(self._deleting.discard)
@@ -522,11 +544,18 @@ class AdapterStore:
         """Every evicted folder deleted: room made by evicting is free on disk only then, so a
         download waits for this before it writes (the bytes under the cache root stay within
         the budget)."""
-        pending = self.take_trash()
+        pending = self._take_trash()
         if pending:
             await asyncio.to_thread(_remove_all, pending)
         if self._deleting:
             await asyncio.gather(*list(self._deleting), return_exceptions=True)
+
+    async def close(self) -> None:
+        """At shutdown: every evicted folder deleted, the lease journal flushed and closed."""
+        await self.settle_trash()
+        journal, self._leases.journal = self._leases.journal, None
+        if journal is not None:
+            await asyncio.to_thread(journal.close)
 
 
 def _remove_all(folders: list[Path]) -> None:

@@ -18,13 +18,12 @@ PIN_RETRY_S = (1.0, 30.0)  # first and largest delay between attempts to stage a
 
 
 async def sweep_leases(store: AdapterStore) -> None:
-    """Forever: end expired leases, trim what they held, flush and compact the journal."""
+    """Forever: end expired leases (the store trims what they held), flush and compact the
+    lease journal."""
     while True:
         try:
-            expired = store.expire_leases()
-            if expired:
-                store.trim()
-            journal = store.journal
+            store.expire_leases()
+            journal = store.lease_journal
             if journal is not None:
                 if journal.flush_due():
                     journal.flush()

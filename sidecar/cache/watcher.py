@@ -319,7 +319,6 @@ class Watcher:
                  extra=fields(event="adopted", adapter_id=adapter_id,
                               size_bytes=record.size_bytes, duration_s=round(elapsed_s, 3),
                               ignored=list(inspection.ignored)))
-        store.trim()
 
     async def _inspect(self, adapter_id: str, folder: Path) -> _Inspection | None:
         """Hash and validate a folder (in threads), and check its signature by the digests

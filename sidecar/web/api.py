@@ -308,7 +308,6 @@ async def stage(request: web.Request) -> web.Response:
         except SidecarError:
             if result.lease is not None:
                 services.store.release(result.lease.lease_id)
-                services.store.trim()
             raise
     return web.Response(text=_stage_json(services, result, lora_name),
                         content_type="application/json")
@@ -319,7 +318,6 @@ async def release(request: web.Request) -> web.Response:
     body = await _body(request, "release")
     await _recovered(services)
     lease = services.store.release(body["lease_id"])
-    services.store.trim()
     return web.json_response({"released": True, "adapter_id": lease.adapter_id})
 
 
@@ -379,7 +377,6 @@ async def unpin(request: web.Request) -> web.Response:
     was_pinned = unpin(adapter_id)
     if was_pinned:
         log.info("unpinned adapter_id=%s", adapter_id)
-        services.store.trim()
     return web.json_response({"adapter_id": adapter_id, "was_pinned": was_pinned})
 
 
