@@ -19,11 +19,11 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from .cache.lease_sweep import sweep_leases
 from .cache.ownership import CacheLock
 from .cache.recovery import recover
-from .cache.stager import Stager
+from .cache.stager import RELIST_REFUSED_S, Stager
 from .cache.store import AdapterStore
-from .cache.upkeep import stage_pin, sweep_leases
 from .cache.watcher import Watcher
 from .catalog.catalog import Catalog
 from .catalog.naming import Naming, StoreView
@@ -66,10 +66,6 @@ class Health:
                 log.warning("not ready: %s: %s", condition, problem)
             self._problems[condition] = problem
 
-    def drop(self, condition: str) -> None:
-        """Forget a condition that no longer applies (not a recovery: nothing to log)."""
-        self._problems.pop(condition, None)
-
     def problems(self) -> list[str]:
         return [f"{name}: {problem}" for name, problem in sorted(self._problems.items())]
 
@@ -94,6 +90,7 @@ class Sidecar:
             min_free_bytes=settings.min_free_bytes,
             lease_ttl_s=settings.lease_ttl_s,
             max_leases=settings.max_leases,
+            pinned=settings.pin,
             metrics=self.metrics,
             listener=self.catalog,
         )
@@ -130,8 +127,6 @@ class Sidecar:
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
-        self._pins_pending = set(settings.pin)
-        self._pin_tasks: dict[str, asyncio.Task[None]] = {}
         self._started = False
         self.port = settings.port
         self.lock = lock or CacheLock(settings.cache_root)  # `serve` takes it before imports
@@ -197,7 +192,7 @@ class Sidecar:
         services = Services(
             settings=self.settings, store=self.store, stager=self.stager, metrics=self.metrics,
             readiness=self, catalog=self.naming,
-            recovered=self.recovered, on_unpin=self.unpin, epp=self.epp,
+            recovered=self.recovered, epp=self.epp,
             registry=self.registry_view,
         )
         self._runner, self.port = await _serve_http(
@@ -238,15 +233,13 @@ class Sidecar:
         return f"http://{host}:{self.port}"
 
     def problems(self) -> list[str]:
-        pending = sorted(self._pins_pending)
         problems = self.health.problems()
         if not self.recovered.is_set():
             progress = self._recovery_progress
             problems.insert(0, "recovering: reading the cache" if progress is None else
                             f"recovering: {progress[0]} of {progress[1]} adapter folders "
                             "checked")
-        if pending:
-            problems.append(f"pinned adapters not staged yet: {', '.join(pending)}")
+        problems.extend(self.store.pins.problems())
         catalog_problem = self.reloads.problem()
         if catalog_problem is not None:
             problems.append(catalog_problem)
@@ -280,23 +273,18 @@ class Sidecar:
         await self.watcher.start()
         self._spawn(self.watcher.run(), "watcher")
         self._spawn(sweep_leases(self.store), "leases")
-        for adapter_id in self.settings.pin:
-            if adapter_id in self._pins_pending:
-                self._pin_tasks[adapter_id] = self._spawn(
-                    stage_pin(self.stager, adapter_id, self.settings.stage_timeout_s,
-                              functools.partial(self._note_pin_result, adapter_id)),
-                    f"pin:{adapter_id}")
+        stage_pinned = functools.partial(self.stager.stage, timeout_s=self.settings.stage_timeout_s,
+                                         lease=False)
+        self._spawn(self.store.pins.keep_staged(stage_pinned, retry_refused_s=RELIST_REFUSED_S),
+                    "pins")
 
     async def _recover(self) -> None:
-        await recover(self.store, self.rules, pins=self.settings.pin,
+        await recover(self.store, self.rules,
                       max_leases=self.settings.max_leases,
                       lease_ttl_s=self.settings.lease_ttl_s,
                       on_problem=lambda problem: self.health.set("cache", problem),
                       on_progress=self._note_recovery_progress,
                       metrics=self.metrics)
-        for adapter_id in self.settings.pin:
-            if self.store.get(adapter_id) is not None:
-                self._pins_pending.discard(adapter_id)
 
     def _note_recovery_progress(self, checked: int, folders: int) -> None:
         self._recovery_progress = (checked, folders)
@@ -328,24 +316,6 @@ class Sidecar:
             except Exception:
                 log.exception("health check failed")
             await asyncio.sleep(HEALTH_INTERVAL_S)
-
-    def _note_pin_result(self, adapter_id: str, problem: str | None) -> None:
-        self.health.set(f"pin {adapter_id}", problem)
-        if problem is None:
-            self._pins_pending.discard(adapter_id)
-
-    def unpin(self, adapter_id: str) -> bool:
-        """Unpin, including a pin still waiting to be staged: its retries stop and it no longer
-        holds readiness back. True if the adapter was pinned."""
-        was_pinned = self.store.unpin(adapter_id)
-        task = self._pin_tasks.pop(adapter_id, None)
-        if task is not None and not task.done():
-            task.cancel("unpinned")
-        if adapter_id in self._pins_pending:
-            self._pins_pending.discard(adapter_id)
-            was_pinned = True
-        self.health.drop(f"pin {adapter_id}")
-        return was_pinned
 
     def _note_source_result(self, error: SidecarError | None) -> None:
         if error is None:

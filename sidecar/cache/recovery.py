@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,7 +29,6 @@ async def recover(
     store: AdapterStore,
     rules: Rules,
     *,
-    pins: Iterable[str],
     max_leases: int,
     lease_ttl_s: float,
     on_problem: Callable[[str], None],
@@ -96,8 +95,6 @@ async def recover(
             log.warning("cannot quarantine adapter folder %s: %s", folder.name,
                         exc.strerror or exc)
         on_progress(checked, len(folders))
-    for adapter_id in pins:
-        store.pin(adapter_id)
     installed = store.install(records, leases=leases, lease_journal=journal)
     try:
         # Nothing can lease yet (the API waits for recovery), so off the loop is safe.

@@ -182,6 +182,15 @@ class Stager:
         finally:
             self._store.unclaim(adapter_id)
 
+    async def pin(self, adapter_id: str, *, timeout_s: float) -> StageResult:
+        """Stage an adapter and pin it: never evicted until unpinned. CacheFull before any
+        download when pinned adapters would fill the adapter budget."""
+        self._store.pins.check_room(adapter_id)
+        result = await self.stage(adapter_id, timeout_s=timeout_s, lease=False)
+        self._store.pin(adapter_id)  # no await since the stage returned: it is still cached
+        log.info("pinned adapter_id=%s", adapter_id)
+        return result
+
     def _hand_out(self, adapter_id: str, lease: bool, *, cached: bool) -> StageResult:
         if lease:
             granted: Lease | None = self._store.lease(adapter_id)

@@ -29,6 +29,7 @@ from ..metrics import Metrics
 from .lease_journal import JOURNAL_NAME, JournalLease, LeaseJournal
 from .leases import Lease, LeaseTable
 from .lru import CachedAdapter, LruIndex, eviction_order
+from .pins import Pins
 from .records import (
     RECORD_NAME,
     AdapterRecord,
@@ -103,6 +104,7 @@ class AdapterStore:
         lease_ttl_s: float,
         metrics: Metrics,
         max_leases: int = 100_000,
+        pinned: Iterable[str] = (),
         listener: StoreListener | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
@@ -123,7 +125,7 @@ class AdapterStore:
         self._leases = LeaseTable(lease_ttl_s, max_leases, metrics, clock, monotonic)
         self._claims: dict[str, int] = {}  # callers waiting to lease an adapter being staged
         self._reservations: list[Reservation] = []
-        self._pins: set[str] = set()
+        self.pins = Pins(pinned, max_adapters=max_adapters, on_disk=self._index.__contains__)
         self._trash_pending: list[Path] = []
         self._listener = listener or StoreListener()
         self._deleting: set[asyncio.Future[None]] = set()  # evicted folders being deleted
@@ -188,9 +190,7 @@ class AdapterStore:
         the leases a previous process granted on them (before anything is trimmed) and the lease
         journal that records new ones, then trim to the budget."""
         for record in sorted(records, key=lambda r: r.staged_at):
-            self._index.add_newest(CachedAdapter(
-                record, last_used=record.staged_at, pinned=record.adapter_id in self._pins
-            ))
+            self._index.add_newest(CachedAdapter(record, last_used=record.staged_at))
         restored = self._leases.restore(
             lease for lease in leases if lease.adapter_id in self._index)
         if lease_journal is not None:
@@ -221,7 +221,7 @@ class AdapterStore:
         return self.adapters_dir / adapter_id
 
     def is_pinned(self, adapter_id: str) -> bool:
-        return adapter_id in self._pins
+        return adapter_id in self.pins
 
     def snapshot(self) -> CacheSnapshot:
         return CacheSnapshot(
@@ -229,7 +229,7 @@ class AdapterStore:
             cache_adapters=len(self._index),
             capacity_bytes=self.max_bytes,
             capacity_adapters=self.max_adapters,
-            pinned_adapters=sum(1 for a in self._index.values() if a.pinned),
+            pinned_adapters=self.pins.on_disk(),
             active_leases=len(self._leases),
         )
 
@@ -312,7 +312,7 @@ class AdapterStore:
     def is_protected(self, adapter_id: str) -> bool:
         """Never evicted to make room: pinned, leased, or about to be leased."""
         return (
-            adapter_id in self._pins
+            adapter_id in self.pins
             or self._leases.holds(adapter_id)
             or adapter_id in self._claims
         )
@@ -320,17 +320,13 @@ class AdapterStore:
     # ---- pins --------------------------------------------------------------------------
 
     def pin(self, adapter_id: str) -> None:
-        self._pins.add(adapter_id)
-        if adapter_id in self._index:
-            self._index[adapter_id].pinned = True
+        self.pins.add(adapter_id)
 
     def unpin(self, adapter_id: str) -> bool:
-        was = adapter_id in self._pins
-        self._pins.discard(adapter_id)
-        if adapter_id in self._index:
-            self._index[adapter_id].pinned = False
+        """Unpin (see Pins.remove) and trim what the pin kept over the budget."""
+        was_pinned = self.pins.remove(adapter_id)
         self._restore_budget()
-        return was
+        return was_pinned
 
     # ---- budget ------------------------------------------------------------------------
 
@@ -346,7 +342,7 @@ class AdapterStore:
         reserved_bytes = sum(r.size_bytes for r in others)
         room_bytes = self.max_bytes - held_bytes - reserved_bytes
         # Leases end and downloads finish; pins stay until an operator removes them.
-        pinned = [a for a in self._index.values() if a.adapter_id in self._pins]
+        pinned = [a for a in self._index.values() if a.adapter_id in self.pins]
         pinned_bytes = sum(a.size_bytes for a in pinned)
         if size_bytes > room_bytes:
             raise CacheFull(
@@ -447,8 +443,7 @@ class AdapterStore:
             # validated; theirs goes to quarantine rather than being overwritten in place.
             self.quarantine(final, "replaced by a fresh stage")
         os.rename(staging, final)
-        adapter = CachedAdapter(record, last_used=self._clock(),
-                                pinned=record.adapter_id in self._pins)
+        adapter = CachedAdapter(record, last_used=self._clock())
         self._index.add_newest(adapter)
         self._restore_budget()
         return adapter
@@ -456,8 +451,7 @@ class AdapterStore:
     def adopt(self, record: AdapterRecord) -> CachedAdapter:
         """Index a folder that appeared under `adapters/` and passed validation (first to go),
         and trim."""
-        adapter = CachedAdapter(record, last_used=self._clock(),
-                                pinned=record.adapter_id in self._pins)
+        adapter = CachedAdapter(record, last_used=self._clock())
         self._index.add_oldest(adapter)
         self._restore_budget()
         return adapter
@@ -467,7 +461,7 @@ class AdapterStore:
         if adapter_id not in self._index:
             raise NotCached(f"adapter {adapter_id} is not in the cache", adapter_id=adapter_id)
         leases = self._leases.ids_of(adapter_id)
-        pinned = adapter_id in self._pins
+        pinned = adapter_id in self.pins
         if (leases or pinned or adapter_id in self._claims) and not force:
             why = []
             if pinned:

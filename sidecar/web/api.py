@@ -114,7 +114,6 @@ class Services:
     readiness: Readiness
     catalog: CatalogView | None = None
     recovered: asyncio.Event | None = None  # None: nothing to recover (set up in tests)
-    on_unpin: Callable[[str], bool] | None = None  # unpins pins still pending, too
     epp: EppExporter | None = None  # /metrics/epp, when --epp-metrics is on
     registry: RegistryStatus | None = None  # the registry's last listing, shown by /catalog
     triton_adapters_prefix: str = field(init=False)
@@ -244,7 +243,7 @@ def adapter_view(services: Services, adapter: CachedAdapter) -> dict[str, Any]:
         "size_bytes": adapter.size_bytes,
         "staged_at": iso_utc(adapter.record.staged_at),
         "last_used": iso_utc(adapter.last_used),
-        "pinned": adapter.pinned,
+        "pinned": store.is_pinned(adapter.adapter_id),
         "leases": store.lease_count(adapter.adapter_id),
         "source": adapter.record.source,
         "content_digest": adapter.record.content_digest,
@@ -353,17 +352,7 @@ async def pin(request: web.Request) -> web.Response:
     body = await _body(request, "pin")
     adapter_id = check_adapter_id(body["adapter_id"])
     await _recovered(services, _stage_timeout(services, body))
-    store = services.store
-    if not store.is_pinned(adapter_id):
-        pinned = sum(1 for a in store.adapters() if a.pinned)
-        if pinned >= store.max_adapters:
-            raise CacheFull(f"cannot pin {adapter_id}: {pinned} adapters are pinned already and "
-                            f"the budget is {store.max_adapters}", adapter_id=adapter_id)
-    result = await services.stager.stage(
-        adapter_id, timeout_s=_stage_timeout(services, body), lease=False
-    )
-    store.pin(adapter_id)  # no await since the stage returned: it is still cached
-    log.info("pinned adapter_id=%s", adapter_id)
+    result = await services.stager.pin(adapter_id, timeout_s=_stage_timeout(services, body))
     return web.json_response(adapter_view(services, result.adapter))
 
 
@@ -373,8 +362,7 @@ async def unpin(request: web.Request) -> web.Response:
     body = await _body(request, "unpin")
     adapter_id = check_adapter_id(body["adapter_id"])
     await _recovered(services)
-    unpin = services.on_unpin or services.store.unpin
-    was_pinned = unpin(adapter_id)
+    was_pinned = services.store.unpin(adapter_id)
     if was_pinned:
         log.info("unpinned adapter_id=%s", adapter_id)
     return web.json_response({"adapter_id": adapter_id, "was_pinned": was_pinned})
