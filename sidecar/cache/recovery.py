@@ -9,7 +9,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 from ..filehash import hash_file
@@ -18,8 +17,9 @@ from ..metrics import Metrics
 from ..validation.signatures import SignatureVerdict, verify_folder
 from ..validation.signing_policy import SignatureMode
 from ..validation.validate import Rules, validate_adapter
+from .admission import signature_rechecked
 from .lease_journal import JournalLease, LeaseJournal
-from .records import AdapterRecord, Check, SignatureRecord, add_verified, rewrite_record
+from .records import AdapterRecord, Check, add_verified, rewrite_record
 from .store import AdapterStore
 
 log = logging.getLogger(__name__)
@@ -77,10 +77,7 @@ async def recover(
             metrics.signature_verifications.labels(outcome=verdict.outcome).inc()
         if verdict.problems:
             return [f"{p.code} {p.file}: {p.message}" for p in verdict.problems]
-        checks = tuple(c for c in record.verified if c != Check.SIGNATURE)
-        rewritten[folder.name] = rewrite_record(folder, replace(
-            record, signature=SignatureRecord.of(verdict),
-            verified=(*checks, Check.SIGNATURE) if verdict.signed else checks))
+        rewritten[folder.name] = rewrite_record(folder, signature_rechecked(record, verdict))
         return []
 
     records, quarantined = [], 0

@@ -24,12 +24,12 @@ from ..errors import (
     SidecarError,
     StageTimeout,
 )
-from ..fsutil import EntryKind, fsync_dir, iso_utc, remove_tree
+from ..fsutil import EntryKind, iso_utc, remove_tree
 from ..ids import is_valid_adapter_id
 from ..logs import fields
 from ..metrics import Metrics
 from ..registry.base import AdapterSource, FetchedFile, Listing, RemoteFile
-from ..validation.files import CHECKSUMS_FILE, SIGNATURE_FILE, WEIGHTS_FILE, plan_files
+from ..validation.files import SIGNATURE_FILE, WEIGHTS_FILE, plan_files
 from ..validation.problem import Problem
 from ..validation.signatures import (
     SIGNATURE_CODES,
@@ -41,9 +41,10 @@ from ..validation.signatures import (
 from ..validation.signing_policy import SignatureMode
 from ..validation.validate import Rules, validate_adapter
 from ..validation.values import ValueReport, ValueScan, finish_scan
+from .admission import Passed, admit_staged
 from .leases import Lease
 from .lru import CachedAdapter
-from .records import AdapterRecord, Check, FileRecord, SignatureRecord, write_record
+from .records import FileRecord
 from .store import AdapterStore
 
 log = logging.getLogger(__name__)
@@ -298,20 +299,15 @@ class Stager:
             self._count_signature(verdict, problems)
             if problems:
                 raise self._refuse(adapter_id, problems, listing)
-            record = AdapterRecord(
-                adapter_id=adapter_id,
-                source=self._source.description,
-                staged_at=time.time(),
-                files={
-                    f.name: FileRecord(f.size_bytes, f.etag, got.crc32, got.sha256)
-                    for f, got in zip(listing.files, fetched, strict=True)
-                },
-                verified=_checks_passed(listing, fetched, verdict),
-                signature=SignatureRecord.of(verdict),
-            )
-            record = await asyncio.to_thread(_seal, staging, record)
-            self._store.publish(staging, record)
-            staging = None
+            passed = Passed(
+                adapter_id, self._source.description,
+                {f.name: FileRecord(f.size_bytes, f.etag, got.crc32, got.sha256)
+                 for f, got in zip(listing.files, fetched, strict=True)},
+                verdict,
+                registry_checksums=any(got.registry_crc32 or got.registry_sha256
+                                       for got in fetched))
+            await admit_staged(self._store, staging, passed)
+            staging = None  # renamed into adapters/
             elapsed = time.perf_counter() - started
             self._metrics.download_duration.observe(elapsed)
             log.info("staged adapter_id=%s bytes=%d files=%d in %.2fs (%.1f MiB/s)", adapter_id,
@@ -319,7 +315,6 @@ class Stager:
                      size_bytes / 1024**2 / max(elapsed, 1e-6),
                      extra=fields(event="staged", adapter_id=adapter_id, size_bytes=size_bytes,
                                   files=len(listing.files), duration_s=round(elapsed, 3)))
-            await asyncio.to_thread(fsync_dir, self._store.adapters_dir)
         except SidecarError as exc:
             _log_failure(adapter_id, exc, time.perf_counter() - started)
             raise
@@ -530,25 +525,6 @@ def _checksum_problems(name: str, got: FetchedFile) -> list[Problem]:
 def _unlink_all(paths: list[Path]) -> None:
     for path in paths:
         path.unlink(missing_ok=True)
-
-
-def _checks_passed(listing: Listing, fetched: list[FetchedFile],
-                   verdict: SignatureVerdict) -> tuple[str, ...]:
-    checks = [Check.RULES, Check.VALUES]
-    if any(got.registry_crc32 or got.registry_sha256 for got in fetched):
-        checks.append(Check.REGISTRY)
-    if any(f.name == CHECKSUMS_FILE for f in listing.files):
-        checks.append(Check.SHA256SUMS)
-    if verdict.signed is not None:
-        checks.append(Check.SIGNATURE)
-    return tuple(checks)
-
-
-def _seal(staging: Path, record: AdapterRecord) -> AdapterRecord:
-    """Write the record (with the files' times, as sealed) and make the folder durable."""
-    sealed = write_record(staging, record)
-    fsync_dir(staging)
-    return sealed
 
 
 def _log_failure(adapter_id: str, error: SidecarError, elapsed_s: float) -> None:

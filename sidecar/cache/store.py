@@ -1,10 +1,10 @@
-"""The disk cache: index of published adapters, pins and claims, budget, publish and evict.
+"""The disk cache: index of published adapters, pins and claims, budget, admit and evict.
 
 State changes happen only on the event loop and only together with the one `rename()` that
 makes them true on disk, so the index and the folder under `adapters/` never disagree. The store
-keeps its own budget: every change that can free room or add bytes (publish, adopt, install, a
-lease released or expired, an unpin, a claim dropped) trims it in the same step, and the folders
-it evicts are deleted by the store alone.
+keeps its own budget: every change that can free room or add bytes (an admission, a recovery's
+install, a lease released or expired, an unpin, a claim dropped) trims it in the same step, and
+the folders it evicts are deleted by the store alone.
 """
 
 from __future__ import annotations
@@ -432,27 +432,24 @@ class AdapterStore:
         path.mkdir(mode=0o755)
         return path
 
-    def publish(self, staging: Path, record: AdapterRecord) -> CachedAdapter:
-        """Rename a complete, fsynced, validated staging folder into place, index it and trim.
+    def admit(self, record: AdapterRecord, *, staging: Path | None = None) -> CachedAdapter:
+        """Index an adapter that passed validation (admission.py wrote its record), and trim.
 
-        The caller fsyncs the files and the staging folder first, and `adapters/` after.
+        A download (`staging`: complete, sealed and fsynced; the caller fsyncs `adapters/`
+        after) is renamed into place and is the most recently used; a folder someone else
+        copied into `adapters/` is taken where it lies, first to go.
         """
-        final = self.path_of(record.adapter_id)
-        if final.exists():
-            # Left by someone else (an operator copy the watcher has not seen yet): ours is
-            # validated; theirs goes to quarantine rather than being overwritten in place.
-            self.quarantine(final, "replaced by a fresh stage")
-        os.rename(staging, final)
         adapter = CachedAdapter(record, last_used=self._clock())
-        self._index.add_newest(adapter)
-        self._restore_budget()
-        return adapter
-
-    def adopt(self, record: AdapterRecord) -> CachedAdapter:
-        """Index a folder that appeared under `adapters/` and passed validation (first to go),
-        and trim."""
-        adapter = CachedAdapter(record, last_used=self._clock())
-        self._index.add_oldest(adapter)
+        if staging is None:
+            self._index.add_oldest(adapter)
+        else:
+            final = self.path_of(record.adapter_id)
+            if final.exists():
+                # Left by someone else (an operator copy the watcher has not seen yet): ours
+                # is validated; theirs goes to quarantine rather than being overwritten.
+                self.quarantine(final, "replaced by a fresh stage")
+            os.rename(staging, final)
+            self._index.add_newest(adapter)
         self._restore_budget()
         return adapter
 
