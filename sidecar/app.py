@@ -122,7 +122,7 @@ class Sidecar:
         self.reloads = Reloads(settings, self.catalog, self.metrics,
                                StoreView(self.store, settings.allowed_target_modules),
                                registry_ids=self.registry_view.ids)
-        self.naming = Naming(self.catalog, self.reloads, self.store, self.metrics)
+        self.naming = Naming(self.catalog, self.reloads, self.stager, self.store, self.metrics)
         self.watcher = Watcher(self.store, self.rules, self.metrics)
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
@@ -190,8 +190,8 @@ class Sidecar:
             await asyncio.to_thread(seed_model_repository, self.settings.seed_model_repository,
                                     self.settings.cache_root / REPOSITORY_DIR)
         services = Services(
-            settings=self.settings, store=self.store, stager=self.stager, metrics=self.metrics,
-            readiness=self, catalog=self.naming,
+            settings=self.settings, store=self.store, stager=self.stager, naming=self.naming,
+            metrics=self.metrics, readiness=self, catalog=self.naming,
             recovered=self.recovered, epp=self.epp,
             registry=self.registry_view,
         )

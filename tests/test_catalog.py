@@ -154,14 +154,13 @@ class World:
                           clock=self.clock, wall=self.wall)
         await reloads.start()
         self.store, self.names, self.reloads = store, names, reloads
-        self.naming = Naming(names, reloads, store, self.metrics, wall=self.wall)
+        self.naming = Naming(names, reloads, self.stager, store, self.metrics, wall=self.wall)
         return reloads
 
     async def stage(self, adapter_id: str) -> str:
-        """What POST /stage does: stage, then the name vLLM must be sent."""
-        assert self.stager is not None and self.naming is not None
-        result = await self.stager.stage(adapter_id, timeout_s=30, lease=False)
-        return await self.naming.lora_name(result.adapter)
+        """POST /stage's use case: stage, then the name vLLM must be sent."""
+        assert self.naming is not None
+        return (await self.naming.stage(adapter_id, timeout_s=30, lease=False)).lora_name
 
     def lora_name(self, adapter_id: str) -> str:
         """The hit path's answer for a staged adapter, without staging anything."""
@@ -533,6 +532,18 @@ async def test_a_spare_the_engine_read_before_it_was_given_is_never_given(
     assert sorted(reloads.status()["spares"]["burnt"]) == spares[:3]
     with pytest.raises(CatalogPending, match="no spare name is left"):
         await world.stage("a2")
+
+
+async def test_a_stage_that_cannot_be_named_yet_gives_its_lease_back(world: World) -> None:
+    world.add_adapter("a1")
+    await serving(world, base_model_config=None)  # spares off: a1 waits for a compaction
+    assert world.naming is not None and world.store is not None
+
+    with pytest.raises(CatalogPending):
+        await world.naming.stage("a1", timeout_s=30, lease=True)
+
+    assert world.store.get("a1") is not None  # staged, and free to be evicted again
+    assert world.store.lease_count("a1") == 0
 
 
 async def test_a_parked_name_the_engine_read_is_burnt_and_its_adapter_takes_a_fresh_spare(

@@ -16,8 +16,9 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from ..cache.lru import CachedAdapter
-from ..cache.stager import Stager, StageResult, check_adapter_id
+from ..cache.stager import Stager, check_adapter_id
 from ..cache.store import AdapterStore
+from ..catalog.naming import Named
 from ..config import Settings
 from ..errors import (
     AdapterInUse,
@@ -98,11 +99,13 @@ class RegistryStatus(Protocol):
 class CatalogView(Protocol):
     def status(self) -> dict[str, Any]: ...
 
-    async def lora_name(self, adapter: CachedAdapter) -> str: ...
-
     def request_compaction(self) -> dict[str, Any]: ...
 
     def replaced(self, adapter_id: str) -> dict[str, Any] | None: ...
+
+
+class StageAndName(Protocol):
+    async def stage(self, adapter_id: str, *, timeout_s: float, lease: bool) -> Named: ...
 
 
 @dataclass(slots=True)
@@ -110,6 +113,7 @@ class Services:
     settings: Settings
     store: AdapterStore
     stager: Stager
+    naming: StageAndName  # POST /stage's use case (catalog/naming.py)
     metrics: Metrics
     readiness: Readiness
     catalog: CatalogView | None = None
@@ -255,9 +259,10 @@ def adapter_view(services: Services, adapter: CachedAdapter) -> dict[str, Any]:
     }
 
 
-def _stage_json(services: Services, result: StageResult, lora_name: str) -> str:
+def _stage_json(services: Services, named: Named) -> str:
     """The /stage answer: the fields that do not change are encoded once per published
     adapter, only the lease each time (hit path)."""
+    result, lora_name = named.staged, named.lora_name
     adapter = result.adapter
     cached = services.stage_fragments.get(adapter.adapter_id)
     if cached is None or cached[0] is not adapter:  # a restaged adapter is a new object
@@ -295,21 +300,9 @@ async def stage(request: web.Request) -> web.Response:
     body = await _body(request, "stage")
     adapter_id = check_adapter_id(body["adapter_id"])
     await _recovered(services, _stage_timeout(services, body))
-    result = await services.stager.stage(
-        adapter_id, timeout_s=_stage_timeout(services, body), lease=body.get("lease", True)
-    )
-    lora_name = adapter_id
-    if services.catalog is not None:
-        # After staging, so an unknown or invalid adapter says so first, and a name is given
-        # only to an adapter validated and published.
-        try:
-            lora_name = await services.catalog.lora_name(result.adapter)
-        except SidecarError:
-            if result.lease is not None:
-                services.store.release(result.lease.lease_id)
-            raise
-    return web.Response(text=_stage_json(services, result, lora_name),
-                        content_type="application/json")
+    named = await services.naming.stage(
+        adapter_id, timeout_s=_stage_timeout(services, body), lease=body.get("lease", True))
+    return web.Response(text=_stage_json(services, named), content_type="application/json")
 
 
 async def release(request: web.Request) -> web.Response:
