@@ -9,7 +9,7 @@ from pathlib import Path
 
 import aiohttp
 
-from sidecar.app import Sidecar
+from sidecar.process.app import Sidecar
 from tests.conftest import (
     S3Registry,
     StartSidecar,

@@ -30,10 +30,10 @@ from sidecar.catalog.naming import Naming, StoreView
 from sidecar.catalog.read_watch import DECOY_WINDOW_S
 from sidecar.catalog.reloads import RETRY_AFTER_FAILURE_S, Reloads
 from sidecar.config import CompactionWindow, Settings, TritonReload
-from sidecar.errors import CatalogPending, CatalogReloading
-from sidecar.examples import write_adapter
-from sidecar.metrics import Metrics
-from sidecar.registry.local import LocalSource
+from sidecar.core.errors import CatalogPending, CatalogReloading
+from sidecar.core.metrics import Metrics
+from sidecar.process.examples import write_adapter
+from sidecar.registry.local import LocalRegistry
 from sidecar.registry.transfer import TransferPolicy
 from sidecar.validation.shapes import TINY_LLAMA
 from sidecar.validation.validate import Rules, validate_adapter
@@ -146,7 +146,7 @@ class World:
         store.install([store.recover_folder(folder, lambda folder, record: [])
                        for folder in store.published_folders()])
         policy = TransferPolicy(part_size_bytes=8 << 20, attempts=1, limiter=asyncio.Semaphore(4))
-        self.stager = Stager(store, LocalSource(Path(settings.registry), policy), rules,
+        self.stager = Stager(store, LocalRegistry(Path(settings.registry), policy), rules,
                              self.metrics, refusal_ttl_s=0)
         reloads = Reloads(settings, names, self.metrics,
                           StoreView(store, settings.allowed_target_modules),
@@ -208,7 +208,7 @@ class World:
         return found.names[name].state
 
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
-        return self.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+        return self.metrics.metrics_registry.get_sample_value(name, labels or {}) or 0.0
 
 
 @pytest.fixture

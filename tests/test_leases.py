@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry
 from sidecar.cache.lease_journal import JOURNAL_NAME, LeaseJournal, lease_digest
 from sidecar.cache.records import AdapterRecord, FileRecord
 from sidecar.cache.store import AdapterStore
-from sidecar.errors import LeaseNotFound
-from sidecar.metrics import Metrics
+from sidecar.core.errors import LeaseNotFound
+from sidecar.core.metrics import Metrics
 from tests.conftest import local_registry_adapter
 from tests.processes import SidecarProcess, get_blocking, post_blocking, stage_blocking
 

@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from sidecar.cache.records import RECORD_NAME
-from sidecar.metrics import STAGE_BUCKETS_S
+from sidecar.core.metrics import STAGE_BUCKETS_S
 from tests.broken_adapters import CORPUS
 from tests.conftest import (
     S3Registry,

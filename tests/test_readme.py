@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from sidecar import errors
+from sidecar.core import errors
 from sidecar.web import api
 from tests.processes import free_port, http_status
 

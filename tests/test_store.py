@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.cache.records import AdapterRecord, FileRecord
 from sidecar.cache.store import AdapterStore
-from sidecar.errors import LeaseNotFound
-from sidecar.metrics import Metrics
+from sidecar.core.errors import LeaseNotFound
+from sidecar.core.metrics import Metrics
 
 
 class Clock:

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar.examples import write_adapter
+from sidecar.process.examples import write_adapter
 from sidecar.validation.safetensors_check import HEADER_MAX_BYTES
 from sidecar.validation.shapes import ATTENTION_MODULES, MLP_MODULES
 from sidecar.validation.validate import Problem, Rules, validate_adapter

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..fsutil import fsync_dir
+from ..core.fsutil import fsync_dir
 from ..validation.files import CHECKSUMS_FILE
 from ..validation.signatures import SignatureVerdict
 from .records import AdapterRecord, Check, FileRecord, SignatureRecord, write_record

@@ -44,9 +44,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..fsutil import fsync_dir
-from ..ids import is_valid_adapter_id
-from ..logs import fields
+from ..core.fsutil import fsync_dir
+from ..core.ids import is_valid_adapter_id
+from ..core.logs import fields
 
 log = logging.getLogger(__name__)
 

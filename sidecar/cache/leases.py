@@ -11,9 +11,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from ..errors import LeaseNotFound
-from ..logs import fields
-from ..metrics import Metrics
+from ..core.errors import LeaseNotFound
+from ..core.logs import fields
+from ..core.metrics import Metrics
 from .lease_journal import JournalLease, LeaseJournal, lease_digest
 
 log = logging.getLogger(__name__)

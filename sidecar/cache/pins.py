@@ -12,7 +12,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 
-from ..errors import CacheFull, InvalidAdapter, SidecarError
+from ..core.errors import CacheFull, InvalidAdapter, SidecarError
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..filehash import hash_file
-from ..logs import fields
-from ..metrics import Metrics
+from ..core.filehash import hash_file
+from ..core.logs import fields
+from ..core.metrics import Metrics
 from ..validation.signatures import SignatureVerdict, verify_folder
 from ..validation.signing_policy import SignatureMode
 from ..validation.validate import Rules, validate_adapter

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import (
+from ..core.errors import (
     AdapterNotFound,
     CacheFull,
     CacheUnwritable,
@@ -24,11 +24,11 @@ from ..errors import (
     SidecarError,
     StageTimeout,
 )
-from ..fsutil import EntryKind, iso_utc, remove_tree
-from ..ids import is_valid_adapter_id
-from ..logs import fields
-from ..metrics import Metrics
-from ..registry.base import AdapterSource, FetchedFile, Listing, RemoteFile
+from ..core.fsutil import EntryKind, iso_utc, remove_tree
+from ..core.ids import is_valid_adapter_id
+from ..core.logs import fields
+from ..core.metrics import Metrics
+from ..registry.base import AdapterRegistry, FetchedFile, Listing, RemoteFile
 from ..validation.files import SIGNATURE_FILE, WEIGHTS_FILE, plan_files
 from ..validation.problem import Problem
 from ..validation.signatures import (
@@ -92,23 +92,23 @@ class Stager:
     def __init__(
         self,
         store: AdapterStore,
-        source: AdapterSource,
+        registry: AdapterRegistry,
         rules: Rules,
         metrics: Metrics,
         *,
         refusal_ttl_s: float,
         not_found_ttl_s: float = 0.0,
         upload_settle_s: float = 0.0,
-        on_source_result: Callable[[SidecarError | None], None] = lambda _: None,
+        on_registry_result: Callable[[SidecarError | None], None] = lambda _: None,
     ) -> None:
         self._store = store
-        self._source = source
+        self._registry = registry
         self._rules = rules
         self._metrics = metrics
         self._refusal_ttl_s = refusal_ttl_s
         self._not_found_ttl_s = not_found_ttl_s
         self._upload_settle_s = upload_settle_s
-        self._on_source_result = on_source_result
+        self._on_registry_result = on_registry_result
         self._inflight: dict[str, asyncio.Task[None]] = {}
         # Verdicts answered again without a fetch until they expire (monotonic seconds): a
         # refusal for --refusal-ttl, "not in the registry" for --not-found-ttl. Ids asked for
@@ -300,7 +300,7 @@ class Stager:
             if problems:
                 raise self._refuse(adapter_id, problems, listing)
             passed = Passed(
-                adapter_id, self._source.description,
+                adapter_id, self._registry.description,
                 {f.name: FileRecord(f.size_bytes, f.etag, got.crc32, got.sha256)
                  for f, got in zip(listing.files, fetched, strict=True)},
                 verdict,
@@ -347,13 +347,13 @@ class Stager:
 
     async def _list(self, adapter_id: str) -> Listing:
         try:
-            listing = await self._source.list_files(adapter_id)
+            listing = await self._registry.list_files(adapter_id)
         except SidecarError as exc:
-            self._on_source_result(exc)
+            self._on_registry_result(exc)
             if isinstance(exc, AdapterNotFound):
                 self._remember_not_found(exc)
             raise
-        self._on_source_result(None)
+        self._on_registry_result(None)
         # The whole upload as listed: a remembered refusal holds for exactly it.
         listing = dataclasses.replace(listing, upload=listing.signature())
         self._recall(adapter_id, listing)
@@ -475,7 +475,7 @@ class Stager:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             if isinstance(exc, SidecarError):
-                self._on_source_result(exc)
+                self._on_registry_result(exc)
             raise
 
     async def _fetch_one(
@@ -484,9 +484,9 @@ class Stager:
         """One file; the weights' tensor values are checked in the chunks the download
         reads, and what it could not check in flight is read back at the end."""
         if file.name != WEIGHTS_FILE:
-            return await self._source.fetch(adapter_id, file, dest, count, sha256=True), None
+            return await self._registry.fetch(adapter_id, file, dest, count, sha256=True), None
         scan = ValueScan(file.size_bytes)
-        fetched = await self._source.fetch(adapter_id, file, dest, count, inspect=scan,
+        fetched = await self._registry.fetch(adapter_id, file, dest, count, inspect=scan,
                                            sha256=True)
         return fetched, await asyncio.to_thread(finish_scan, scan, dest)
 

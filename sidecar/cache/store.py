@@ -21,11 +21,11 @@ from datetime import UTC, datetime
 from enum import Enum
 from pathlib import Path
 
-from ..config import format_size
-from ..errors import AdapterInUse, CacheFull, NotCached
-from ..fsutil import remove_tree
-from ..logs import fields
-from ..metrics import Metrics
+from ..core.errors import AdapterInUse, CacheFull, NotCached
+from ..core.fsutil import remove_tree
+from ..core.logs import fields
+from ..core.metrics import Metrics
+from ..core.units import format_size
 from .lease_journal import JOURNAL_NAME, JournalLease, LeaseJournal
 from .leases import Lease, LeaseTable
 from .lru import CachedAdapter, LruIndex, eviction_order

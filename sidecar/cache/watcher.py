@@ -31,10 +31,10 @@ from watchdog.events import (
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 
-from ..filehash import hash_fd
-from ..ids import is_valid_adapter_id
-from ..logs import fields
-from ..metrics import Metrics
+from ..core.filehash import hash_fd
+from ..core.ids import is_valid_adapter_id
+from ..core.logs import fields
+from ..core.metrics import Metrics
 from ..validation.files import WEIGHTS_FILE, listed, plan_folder
 from ..validation.problem import Problem
 from ..validation.signatures import SignatureVerdict, verify_folder

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from ..cache.store import StoreListener
-from ..errors import CatalogPending
-from ..logs import fields
-from ..metrics import Metrics
+from ..core.errors import CatalogPending
+from ..core.logs import fields
+from ..core.metrics import Metrics
 from ..validation.validate import Rules, validate_adapter
 from . import disk
 from .disk import NoopAdapter

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save
 
-from ..fsutil import fsync_dir
+from ..core.fsutil import fsync_dir
 from ..validation.shapes import ATTENTION_MODULES, ModelShapes
 from .generation import Generation, Journal
 from .name_state import NameState

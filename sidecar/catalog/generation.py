@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..ids import is_valid_adapter_id
+from ..core.ids import is_valid_adapter_id
 from .name_state import HELD, NameEvent, NameState, Version, next_state
 
 JOURNAL_FORMAT = 2

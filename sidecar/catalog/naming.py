@@ -15,10 +15,10 @@ from typing import Any
 from ..cache.lru import CachedAdapter
 from ..cache.stager import Stager, StageResult
 from ..cache.store import AdapterStore
-from ..errors import SidecarError
-from ..fsutil import iso_utc
-from ..logs import fields
-from ..metrics import Metrics
+from ..core.errors import SidecarError
+from ..core.fsutil import iso_utc
+from ..core.logs import fields
+from ..core.metrics import Metrics
 from ..validation.safetensors_check import check_safetensors
 from .catalog import Catalog, NoNameLeft
 from .disk import WEIGHTS_FILE, NoopAdapter

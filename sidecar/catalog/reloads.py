@@ -20,10 +20,10 @@ from enum import Enum
 from typing import Any, Protocol
 
 from ..config import Settings, TritonReload
-from ..errors import CatalogPending, CatalogReloading
-from ..fsutil import iso_utc
-from ..logs import fields
-from ..metrics import Metrics
+from ..core.errors import CatalogPending, CatalogReloading
+from ..core.fsutil import iso_utc
+from ..core.logs import fields
+from ..core.metrics import Metrics
 from .catalog import Catalog
 from .disk import NoopAdapter
 from .engine_state import EngineState, EngineTracker, LoadKind, LoadOutcome, Probe, Transition

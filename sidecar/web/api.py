@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
+from prometheus_client.aiohttp import make_aiohttp_handler
 
 from ..cache.lru import CachedAdapter
 from ..cache.stager import Stager, check_adapter_id
 from ..cache.store import AdapterStore
 from ..catalog.naming import Named
 from ..config import Settings
-from ..errors import (
+from ..core.errors import (
     AdapterInUse,
     AdapterNotFound,
     BadRequest,
@@ -34,15 +35,15 @@ from ..errors import (
     LeaseNotFound,
     NotCached,
     NotReady,
+    RegistryError,
+    RegistryObjectChanged,
+    RegistryUnavailable,
     SidecarError,
-    SourceChanged,
-    SourceError,
-    SourceUnavailable,
     StageTimeout,
     Unauthorized,
 )
-from ..fsutil import iso_utc
-from ..metrics import CONTENT_TYPE, Metrics
+from ..core.fsutil import iso_utc
+from ..core.metrics import CONTENT_TYPE, Metrics
 from .epp import EppExporter
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,9 @@ STATUS: dict[type[SidecarError], int] = {
     AdapterInUse: 409,
     CatalogDisabled: 409,
     InvalidAdapter: 422,
-    SourceChanged: 502,
-    SourceError: 502,
-    SourceUnavailable: 503,
+    RegistryObjectChanged: 502,
+    RegistryError: 502,
+    RegistryUnavailable: 503,
     CatalogPending: 503,
     CatalogReloading: 503,
     CacheUnwritable: 503,
@@ -92,7 +93,7 @@ class Readiness(Protocol):
     def problems(self) -> list[str]: ...
 
 
-class RegistryStatus(Protocol):
+class RegistryListingView(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
@@ -119,12 +120,16 @@ class Services:
     catalog: CatalogView | None = None
     recovered: asyncio.Event | None = None  # None: nothing to recover (set up in tests)
     epp: EppExporter | None = None  # /metrics/epp, when --epp-metrics is on
-    registry: RegistryStatus | None = None  # the registry's last listing, shown by /catalog
+    registry_listing: RegistryListingView | None = None  # the last listing, shown by /catalog
     triton_adapters_prefix: str = field(init=False)
     local_adapters_prefix: str = field(init=False)
     stage_fragments: dict[str, tuple[CachedAdapter, str]] = field(init=False, default_factory=dict)
+    metrics_handler: Handler = field(init=False)
 
     def __post_init__(self) -> None:
+        # GET /metrics: prometheus_client's own handler, in the format the scraper asks for.
+        self.metrics_handler = make_aiohttp_handler(self.metrics.metrics_registry,
+                                                    disable_compression=True)
         self.triton_adapters_prefix = f"{self.settings.triton_root / 'adapters'}/"
         self.local_adapters_prefix = f"{self.store.adapters_dir}/"
 
@@ -403,7 +408,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.StreamResponse:
-    return await _services(request).metrics.handler(request)
+    return await _services(request).metrics_handler(request)
 
 
 async def metrics_epp(request: web.Request) -> web.Response:
@@ -417,8 +422,8 @@ async def catalog(request: web.Request) -> web.Response:
     services = _services(request)
     body: dict[str, Any] = ({"enabled": False} if services.catalog is None
                             else services.catalog.status())
-    if services.registry is not None:
-        body["registry"] = services.registry.status()
+    if services.registry_listing is not None:
+        body["registry"] = services.registry_listing.status()
     return web.json_response(body)
 
 
