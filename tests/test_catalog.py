@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry
 from sidecar.cache.stager import Stager
 from sidecar.cache.store import AdapterStore
 from sidecar.catalog.catalog import Catalog
-from sidecar.catalog.disk import read_journal
+from sidecar.catalog.disk import read_catalog_journal
 from sidecar.catalog.engine_state import EngineState, Probe
 from sidecar.catalog.name_state import NameState, Version
 from sidecar.catalog.naming import Naming, StoreView
@@ -203,7 +203,7 @@ class World:
 
     def state(self, name: str, generation: int | None = None) -> NameState:
         assert self.names is not None
-        found = self.names.generation(generation or self.names.journal.current)
+        found = self.names.generation(generation or self.names.catalog_journal.current)
         assert found is not None
         return found.names[name].state
 
@@ -374,7 +374,7 @@ async def test_a_new_adapter_gets_a_spare_without_any_triton_call(world: World) 
     assert (link / WEIGHTS).read_bytes() == weights
     assert world.store is not None
     digest = world.store.get("fresh-v1").record.content_digest  # type: ignore[union-attr]
-    entry = read_journal(world.cache).generations[1].names[name]
+    entry = read_catalog_journal(world.cache).generations[1].names[name]
     assert (entry.state, entry.version) == (NameState.BOUND, Version("fresh-v1", digest))
     status = reloads.status()
     assert status["spares"]["bound"] == {name: str(Version("fresh-v1", digest))}
@@ -730,7 +730,7 @@ async def test_running_low_on_spares_compacts_once_listing_every_adapter_by_its_
     world.wall.now_s += 601
     await reloads.sync()
     assert not (world.cache / "catalog" / "g1").exists()
-    assert list(read_journal(world.cache).generations) == [2]
+    assert list(read_catalog_journal(world.cache).generations) == [2]
 
 
 async def test_compactions_wait_for_the_minimum_interval_between_reloads(world: World) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sidecar.cache.lease_journal import JOURNAL_NAME, LeaseJournal, lease_digest
+from sidecar.cache.lease_journal import LEASE_JOURNAL_NAME, LeaseJournal, lease_digest
 from sidecar.cache.records import AdapterRecord, FileRecord
 from sidecar.cache.store import AdapterStore
 from sidecar.core.errors import LeaseNotFound
@@ -128,8 +128,8 @@ def journaled_store(root: Path, wall: Clock, monotonic: Clock, boot_id: str,
                     max_leases: int = 100_000) -> AdapterStore:
     """A store recovered as recovery.py does it: records, the journal's leases, the journal."""
     store = new_store(root, wall, monotonic, max_leases=max_leases)
-    journal = LeaseJournal(root / JOURNAL_NAME, wall=wall, monotonic=monotonic, boot_id=boot_id,
-                           max_leases=store.max_leases)
+    journal = LeaseJournal(root / LEASE_JOURNAL_NAME, wall=wall, monotonic=monotonic,
+                           boot_id=boot_id, max_leases=store.max_leases)
     store.install(records(wall), leases=journal.load(store.lease_ttl_s), lease_journal=journal)
     journal.reset(store.live_leases())
     return store
@@ -141,7 +141,7 @@ def test_a_restart_on_the_same_boot_ages_leases_by_the_monotonic_clock(tmp_path:
     kept, released = store.lease("a"), store.lease("b")
     store.release(released.lease_id)
     store.lease_journal.flush()  # type: ignore[union-attr]
-    raw = (tmp_path / JOURNAL_NAME).read_text()
+    raw = (tmp_path / LEASE_JOURNAL_NAME).read_text()
     assert kept.lease_id not in raw and lease_digest(kept.lease_id) in raw  # only digests
 
     monotonic.now_s += 20  # 20 s later, with the wall clock stepped two hours forward
@@ -177,7 +177,7 @@ def test_after_a_reboot_leases_age_by_the_wall_clock_clamped_to_their_ttl(
 
 
 def journal_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.glob(f"{JOURNAL_NAME}*"))
+    return sum(p.stat().st_size for p in root.glob(f"{LEASE_JOURNAL_NAME}*"))
 
 
 def test_the_journal_is_compacted_beside_new_appends_and_skips_a_torn_line(
@@ -199,7 +199,7 @@ def test_the_journal_is_compacted_beside_new_appends_and_skips_a_torn_line(
     journal.merge()
     assert not journal.compacting_path.exists()
     assert journal_bytes(tmp_path) < grown / 10
-    with open(tmp_path / JOURNAL_NAME, "a") as f:
+    with open(tmp_path / LEASE_JOURNAL_NAME, "a") as f:
         f.write("G 0123456789abcdef0123456789abcdef a 60000 18000")  # a crash mid-line
     again = journaled_store(tmp_path, wall, monotonic, "boot-1")
     assert (again.lease_count("a"), again.lease_count("b")) == (1, 1)
@@ -231,7 +231,7 @@ def test_past_the_cap_a_restart_keeps_the_newest_leases(tmp_path: Path) -> None:
     store = journaled_store(tmp_path, wall, monotonic, "boot-1", max_leases=3)
     leases = [store.lease("a") for _ in range(5)]
     again = new_store(tmp_path, wall, monotonic)
-    journal = LeaseJournal(tmp_path / JOURNAL_NAME, wall=wall, monotonic=monotonic,
+    journal = LeaseJournal(tmp_path / LEASE_JOURNAL_NAME, wall=wall, monotonic=monotonic,
                            boot_id="boot-1", max_leases=3)
     again.install(records(wall), leases=journal.load(again.lease_ttl_s))
     assert again.lease_count("a") == 3

@@ -50,7 +50,7 @@ from ..core.logs import fields
 
 log = logging.getLogger(__name__)
 
-JOURNAL_NAME = ".leases"
+LEASE_JOURNAL_NAME = ".leases"
 FORMAT_LINE = "# lora-sidecar leases 1"
 COMPACT_MIN_BYTES = 1024 * 1024
 COMPACT_FACTOR = 4  # compacted once appends exceed this many times the live leases' lines

@@ -45,7 +45,7 @@ async def recover(
         on_problem(f"cannot prepare the cache root {store.root}: {exc.strerror or exc}")
         if not store.adapters_dir.is_dir():
             return
-    journal = LeaseJournal(store.journal_path, max_leases=max_leases)
+    journal = LeaseJournal(store.lease_journal_path, max_leases=max_leases)
     leases = await _read_journal(journal, lease_ttl_s)
     try:
         folders = await asyncio.to_thread(store.published_folders)

@@ -26,7 +26,7 @@ from ..core.fsutil import remove_tree
 from ..core.logs import fields
 from ..core.metrics import Metrics
 from ..core.units import format_size
-from .lease_journal import JOURNAL_NAME, JournalLease, LeaseJournal
+from .lease_journal import LEASE_JOURNAL_NAME, JournalLease, LeaseJournal
 from .leases import Lease, LeaseTable
 from .lru import CachedAdapter, LruIndex, eviction_order
 from .pins import Pins
@@ -131,8 +131,8 @@ class AdapterStore:
         self._deleting: set[asyncio.Future[None]] = set()  # evicted folders being deleted
 
     @property
-    def journal_path(self) -> Path:
-        return self.root / JOURNAL_NAME
+    def lease_journal_path(self) -> Path:
+        return self.root / LEASE_JOURNAL_NAME
 
     # ---- start-up ----------------------------------------------------------------------
 
@@ -194,7 +194,7 @@ class AdapterStore:
         restored = self._leases.restore(
             lease for lease in leases if lease.adapter_id in self._index)
         if lease_journal is not None:
-            self._leases.journal = lease_journal
+            self._leases.lease_journal = lease_journal
         return Installed(restored, len(self._restore_budget()))
 
     def quarantine(self, folder: Path, reason: str) -> Path:
@@ -294,7 +294,7 @@ class AdapterStore:
     @property
     def lease_journal(self) -> LeaseJournal | None:
         """Where grants and releases are written; None until the recovery installs it."""
-        return self._leases.journal
+        return self._leases.lease_journal
 
     # ---- claims: a caller that will lease an adapter once its stage finishes ------------
 
@@ -544,7 +544,7 @@ class AdapterStore:
     async def close(self) -> None:
         """At shutdown: every evicted folder deleted, the lease journal flushed and closed."""
         await self.settle_trash()
-        journal, self._leases.journal = self._leases.journal, None
+        journal, self._leases.lease_journal = self._leases.lease_journal, None
         if journal is not None:
             await asyncio.to_thread(journal.close)
 
