@@ -18,14 +18,13 @@ from ..core.errors import (
     CacheFull,
     CacheUnwritable,
     InvalidAdapter,
-    InvalidAdapterId,
     NotCached,
     RegistryTransient,
     SidecarError,
     StageTimeout,
 )
 from ..core.fsutil import EntryKind, iso_utc, remove_tree
-from ..core.ids import is_valid_adapter_id
+from ..core.ids import check_adapter_id
 from ..core.logs import fields
 from ..core.metrics import Metrics
 from ..registry.base import AdapterRegistry, FetchedFile, Listing, RemoteFile
@@ -75,17 +74,6 @@ class StageResult:
     adapter: CachedAdapter
     lease: Lease | None
     cached: bool  # true when the adapter was on disk already (a hit)
-
-
-def check_adapter_id(adapter_id: object) -> str:
-    if not is_valid_adapter_id(adapter_id):
-        shown = repr(adapter_id)[:80]
-        raise InvalidAdapterId(
-            f"invalid adapter id {shown}: ids are 1-128 characters of letters, digits, '.', "
-            "'_' and '-', starting with a letter or digit"
-        )
-    assert isinstance(adapter_id, str)
-    return adapter_id
 
 
 class Stager:

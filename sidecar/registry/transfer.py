@@ -2,7 +2,7 @@
 writes, a CRC-32 of each part computed from the bytes as they land (combined into the file's),
 SHA-256 in order alongside when the registry has one to compare, retries per part.
 
-Knows nothing of S3: the source hands in `open_range`, which opens one ranged read. The bytes
+Knows nothing of S3: the registry hands in `open_range`, which opens one ranged read. The bytes
 move in worker threads (socket -> buffer -> file, the GIL released in each system call), so
 the event loop only schedules them.
 """

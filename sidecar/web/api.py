@@ -17,7 +17,7 @@ from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from ..cache.lru import CachedAdapter
-from ..cache.stager import Stager, check_adapter_id
+from ..cache.stager import Stager
 from ..cache.store import AdapterStore
 from ..catalog.naming import Named
 from ..config import Settings
@@ -43,6 +43,7 @@ from ..core.errors import (
     Unauthorized,
 )
 from ..core.fsutil import iso_utc
+from ..core.ids import check_adapter_id
 from ..core.metrics import CONTENT_TYPE, Metrics
 from .epp import EppExporter
 
