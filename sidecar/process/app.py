@@ -65,6 +65,9 @@ class Health:
                 log.warning("not ready: %s: %s", condition, problem)
             self._problems[condition] = problem
 
+    def failing(self, condition: str) -> bool:
+        return condition in self._problems
+
     def problems(self) -> list[str]:
         return [f"{name}: {problem}" for name, problem in sorted(self._problems.items())]
 
@@ -312,8 +315,8 @@ class Sidecar:
             try:
                 problem = await asyncio.to_thread(_check_writable, self.store.root)
                 self.health.set("cache", problem)
-                registry_down = "registry" in {p.split(":")[0] for p in self.health.problems()}
-                interval = HEALTH_INTERVAL_S if registry_down else REGISTRY_PROBE_OK_S
+                interval = (HEALTH_INTERVAL_S if self.health.failing("registry")
+                            else REGISTRY_PROBE_OK_S)
                 if time.monotonic() - last_probe >= interval:
                     last_probe = time.monotonic()
                     try:
