@@ -46,9 +46,11 @@ system-deps:
 docker-deps:
 	./scripts/install-system-deps.sh --docker
 
+## lint: ruff, mypy --strict, and the layering check (the import-linter contracts of pyproject.toml)
 lint: $(VENV)/.test-deps
 	$(BIN)/ruff check sidecar tests triton_repo compose benchmarks
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-logo
 
 clean:
 	rm -rf $(VENV) .engine-venv .engine-venv.lock .pytest_cache .mypy_cache

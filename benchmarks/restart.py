@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from sidecar.examples import write_adapter
+from sidecar.process.examples import write_adapter
 from sidecar.validation.shapes import ModelShapes
 
 REPO = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from sidecar.examples import write_adapter
+from sidecar.process.examples import write_adapter
 from sidecar.validation.shapes import TINY_LLAMA
 from tests.triton.harness import (
     ROUTER,

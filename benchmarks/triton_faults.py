@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from sidecar.examples import write_adapter
+from sidecar.process.examples import write_adapter
 from sidecar.validation.shapes import TINY_LLAMA
 from tests.triton.harness import REPO_ROOT, ROUTER, TritonServer, free_port, router_config
 from tests.triton.triton_proxy import ThreadedTritonProxy

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import boto3
 
-from sidecar.examples import write_adapter
+from sidecar.process.examples import write_adapter
 from tests.processes import free_port, http_status
 
 BUCKET = "warm"

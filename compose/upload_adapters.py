@@ -24,8 +24,8 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from sidecar.config import Settings
-from sidecar.errors import ConfigError
-from sidecar.ids import is_valid_adapter_id
+from sidecar.core.errors import ConfigError
+from sidecar.core.ids import is_valid_adapter_id
 from sidecar.validation.files import CONFIG_FILE, listed, plan_folder
 from sidecar.validation.signatures import verify_folder
 from sidecar.validation.validate import Rules, judge_adapter, summarize

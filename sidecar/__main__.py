@@ -9,17 +9,12 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from .config import (
-    OPTIONS,
-    REGISTRY_START_CHECK_S,
-    Option,
-    Settings,
-    local_registry_problem,
-    option_for,
-)
-from .errors import CacheOwned, ConfigError
-from .exits import EXIT_CACHE_OWNED, EXIT_FAILED, EXIT_USAGE
-from .version import version
+from .config import OPTIONS, Settings, option_for
+from .core.errors import CacheOwned, ConfigError
+from .core.exits import EXIT_CACHE_OWNED, EXIT_FAILED, EXIT_USAGE
+from .core.options import Option
+from .core.version import version
+from .process.preflight import START_CHECK_S, registry_folder_problem
 
 # `serve --help` in sections, by what each option is about; every option of config.OPTIONS is
 # in one (an option left out would land in a last section, "other options").
@@ -65,7 +60,7 @@ Exit codes:
 Not a configuration error (the sidecar starts, and /readyz answers 503 saying why until it
 passes): an S3 registry that does not answer, refuses the credentials or lacks the bucket; a
 cache root that is not writable. When the registry does not answer within
-{REGISTRY_START_CHECK_S:g} s at start, the pins are checked when it does: one it then reports
+{START_CHECK_S:g} s at start, the pins are checked when it does: one it then reports
 missing keeps /readyz at 503 naming it."""
     parser = subparsers.add_parser(
         "serve",
@@ -93,20 +88,20 @@ def _add_option(group: argparse._ArgumentGroup, option: Option) -> None:
 
 
 def _add_client_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from . import cli
+    from .process import cli
 
     cli.add_commands(subparsers)
 
 
 def _add_validate(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from . import cli
+    from .process import cli
 
     cli.add_validate_command(subparsers)
     cli.add_sign_command(subparsers)
 
 
 def _add_examples(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from . import cli
+    from .process import cli
 
     cli.add_examples_command(subparsers)
 
@@ -155,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as exc:
             # The registry folder is judged too, so that one run lists every problem.
             registry = _raw_value(args, os.environ, "registry")
-            missing = None if _names(exc, "registry") else local_registry_problem(registry)
+            missing = None if _names(exc, "registry") else registry_folder_problem(registry)
             problems = exc.problems + ([missing] if missing else [])
             print(f"lora-sidecar: {ConfigError(problems).message}", file=sys.stderr)
             return EXIT_USAGE
@@ -172,14 +167,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as exc:
             print(f"lora-sidecar: cannot start: {exc.strerror or exc}", file=sys.stderr)
             return EXIT_FAILED
-        from .app import serve
+        from .process.app import serve
 
         try:
             return serve(settings, lock)
-        except ConfigError as exc:  # settings that parse but cannot work (sidecar/preflight.py)
+        except ConfigError as exc:  # settings that parse but cannot work (process/preflight.py)
             print(f"lora-sidecar: {exc.message}", file=sys.stderr)
             return EXIT_USAGE
-    from . import cli
+    from .process import cli
 
     return cli.run(args)
 

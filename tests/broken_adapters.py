@@ -1,5 +1,5 @@
 """A corpus of broken adapters, one per validation rule, generated on demand (no binaries are
-checked in): a valid adapter from sidecar.examples, then byte-level surgery on its files.
+checked in): a valid adapter from sidecar.process.examples, then byte-level surgery on its files.
 
 Each case names the exact set of problem codes validation must report, so a test proves both
 that the adapter is refused and that it is refused for the right reason.
@@ -22,7 +22,7 @@ import numpy as np
 from numpy.typing import NDArray
 from safetensors.numpy import load_file, save_file
 
-from sidecar.examples import tensor_name, write_adapter
+from sidecar.process.examples import tensor_name, write_adapter
 from sidecar.validation.shapes import TINY_LLAMA, ModelShapes
 from sidecar.validation.validate import Rules
 

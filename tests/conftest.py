@@ -17,9 +17,9 @@ import pytest
 from moto.server import ThreadedMotoServer
 from prometheus_client import CollectorRegistry
 
-from sidecar.app import Sidecar
 from sidecar.config import Settings
-from sidecar.examples import write_adapter
+from sidecar.process.app import Sidecar
+from sidecar.process.examples import write_adapter
 from tests.processes import SidecarProcess
 from tests.s3proxy import S3Proxy
 
@@ -147,8 +147,8 @@ def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
         "upload_settle_s": "0",
     })
     settings = dataclasses.replace(base, **overrides)
-    if not settings.is_s3:
-        # A local registry folder that does not exist stops the start (sidecar/preflight.py).
+    if settings.is_local:
+        # A local registry folder that does not exist stops the start (process/preflight.py).
         Path(settings.registry).mkdir(parents=True, exist_ok=True)
     return settings
 
@@ -167,7 +167,7 @@ async def start_sidecar() -> AsyncIterator[StartSidecar]:
     running: list[Sidecar] = []
 
     async def start(settings: Settings) -> Sidecar:
-        sidecar = Sidecar(settings, registry=CollectorRegistry())
+        sidecar = Sidecar(settings, metrics_registry=CollectorRegistry())
         await sidecar.start()
         running.append(sidecar)
         return sidecar

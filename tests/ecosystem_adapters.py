@@ -8,7 +8,7 @@ import json
 import pickle
 from pathlib import Path
 
-from sidecar.examples import write_adapter
+from sidecar.process.examples import write_adapter
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"

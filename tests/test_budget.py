@@ -4,11 +4,12 @@ operator eviction."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import aiohttp
 
-from sidecar.app import Sidecar
+from sidecar.process.app import Sidecar
 from tests.conftest import (
     S3Registry,
     StartSidecar,
@@ -18,6 +19,7 @@ from tests.conftest import (
     s3_settings,
     stage_ok,
 )
+from tests.observing import eventually
 from tests.s3proxy import drop_connection
 
 
@@ -156,14 +158,25 @@ async def test_eviction_moves_the_folder_to_trash_and_deletes_it(
     local_registry_adapter(tmp_path, "a")
     sidecar = await start_sidecar(make_settings(tmp_path))
     await stage_ok(http, sidecar, "a", lease=False)
-    status, _ = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "a"})
-    assert status == 200
-    assert not (tmp_path / "cache" / "adapters" / "a").exists()
+    folder = tmp_path / "cache" / "adapters" / "a"
     trash = tmp_path / "cache" / ".trash"
-    for _ in range(100):
-        if not any(trash.iterdir()):
-            break
-        await asyncio.sleep(0.02)
+    # The folder itself, followed wherever it goes: the kernel names an open directory by its
+    # path now, " (deleted)" once it is gone. An rmtree in place would leave it under adapters/.
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        status, _ = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "a"})
+        assert status == 200
+        assert not folder.exists()
+
+        async def deleted() -> str | None:
+            where = os.readlink(f"/proc/self/fd/{fd}")
+            return where if where.endswith(" (deleted)") else None
+
+        where = await eventually(deleted, timeout_s=5, what="the evicted folder deleted")
+    finally:
+        os.close(fd)
+    assert Path(where.removesuffix(" (deleted)")).parent == trash.resolve()
+    assert Path(where).name.startswith("a.")
     assert list(trash.iterdir()) == []
 
 

@@ -23,17 +23,17 @@ from prometheus_client import CollectorRegistry
 from sidecar.cache.stager import Stager
 from sidecar.cache.store import AdapterStore
 from sidecar.catalog.catalog import Catalog
-from sidecar.catalog.disk import read_journal
+from sidecar.catalog.disk import read_catalog_journal
 from sidecar.catalog.engine_state import EngineState, Probe
 from sidecar.catalog.name_state import NameState, Version
 from sidecar.catalog.naming import Naming, StoreView
 from sidecar.catalog.read_watch import DECOY_WINDOW_S
 from sidecar.catalog.reloads import RETRY_AFTER_FAILURE_S, Reloads
 from sidecar.config import CompactionWindow, Settings, TritonReload
-from sidecar.errors import CatalogPending, CatalogReloading
-from sidecar.examples import write_adapter
-from sidecar.metrics import Metrics
-from sidecar.registry.local import LocalSource
+from sidecar.core.errors import CatalogPending, CatalogReloading
+from sidecar.core.metrics import Metrics
+from sidecar.process.examples import write_adapter
+from sidecar.registry.local import LocalRegistry
 from sidecar.registry.transfer import TransferPolicy
 from sidecar.validation.shapes import TINY_LLAMA
 from sidecar.validation.validate import Rules, validate_adapter
@@ -146,7 +146,7 @@ class World:
         store.install([store.recover_folder(folder, lambda folder, record: [])
                        for folder in store.published_folders()])
         policy = TransferPolicy(part_size_bytes=8 << 20, attempts=1, limiter=asyncio.Semaphore(4))
-        self.stager = Stager(store, LocalSource(Path(settings.registry), policy), rules,
+        self.stager = Stager(store, LocalRegistry(Path(settings.registry), policy), rules,
                              self.metrics, refusal_ttl_s=0)
         reloads = Reloads(settings, names, self.metrics,
                           StoreView(store, settings.allowed_target_modules),
@@ -154,14 +154,13 @@ class World:
                           clock=self.clock, wall=self.wall)
         await reloads.start()
         self.store, self.names, self.reloads = store, names, reloads
-        self.naming = Naming(names, reloads, store, self.metrics, wall=self.wall)
+        self.naming = Naming(names, reloads, self.stager, store, self.metrics, wall=self.wall)
         return reloads
 
     async def stage(self, adapter_id: str) -> str:
-        """What POST /stage does: stage, then the name vLLM must be sent."""
-        assert self.stager is not None and self.naming is not None
-        result = await self.stager.stage(adapter_id, timeout_s=30, lease=False)
-        return await self.naming.lora_name(result.adapter)
+        """POST /stage's use case: stage, then the name vLLM must be sent."""
+        assert self.naming is not None
+        return (await self.naming.stage(adapter_id, timeout_s=30, lease=False)).lora_name
 
     def lora_name(self, adapter_id: str) -> str:
         """The hit path's answer for a staged adapter, without staging anything."""
@@ -204,12 +203,12 @@ class World:
 
     def state(self, name: str, generation: int | None = None) -> NameState:
         assert self.names is not None
-        found = self.names.generation(generation or self.names.journal.current)
+        found = self.names.generation(generation or self.names.catalog_journal.current)
         assert found is not None
         return found.names[name].state
 
     def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
-        return self.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+        return self.metrics.metrics_registry.get_sample_value(name, labels or {}) or 0.0
 
 
 @pytest.fixture
@@ -375,7 +374,7 @@ async def test_a_new_adapter_gets_a_spare_without_any_triton_call(world: World) 
     assert (link / WEIGHTS).read_bytes() == weights
     assert world.store is not None
     digest = world.store.get("fresh-v1").record.content_digest  # type: ignore[union-attr]
-    entry = read_journal(world.cache).generations[1].names[name]
+    entry = read_catalog_journal(world.cache).generations[1].names[name]
     assert (entry.state, entry.version) == (NameState.BOUND, Version("fresh-v1", digest))
     status = reloads.status()
     assert status["spares"]["bound"] == {name: str(Version("fresh-v1", digest))}
@@ -533,6 +532,18 @@ async def test_a_spare_the_engine_read_before_it_was_given_is_never_given(
     assert sorted(reloads.status()["spares"]["burnt"]) == spares[:3]
     with pytest.raises(CatalogPending, match="no spare name is left"):
         await world.stage("a2")
+
+
+async def test_a_stage_that_cannot_be_named_yet_gives_its_lease_back(world: World) -> None:
+    world.add_adapter("a1")
+    await serving(world, base_model_config=None)  # spares off: a1 waits for a compaction
+    assert world.naming is not None and world.store is not None
+
+    with pytest.raises(CatalogPending):
+        await world.naming.stage("a1", timeout_s=30, lease=True)
+
+    assert world.store.get("a1") is not None  # staged, and free to be evicted again
+    assert world.store.lease_count("a1") == 0
 
 
 async def test_a_parked_name_the_engine_read_is_burnt_and_its_adapter_takes_a_fresh_spare(
@@ -719,7 +730,7 @@ async def test_running_low_on_spares_compacts_once_listing_every_adapter_by_its_
     world.wall.now_s += 601
     await reloads.sync()
     assert not (world.cache / "catalog" / "g1").exists()
-    assert list(read_journal(world.cache).generations) == [2]
+    assert list(read_catalog_journal(world.cache).generations) == [2]
 
 
 async def test_compactions_wait_for_the_minimum_interval_between_reloads(world: World) -> None:

@@ -17,7 +17,7 @@ from boto3.s3.transfer import TransferConfig
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sidecar.examples import write_adapter
+from sidecar.process.examples import write_adapter
 from sidecar.registry.checksum import crc32_combine, s3_checksum_hex
 from sidecar.registry.transfer import TransferPolicy, part_starts
 from sidecar.validation.shapes import ModelShapes

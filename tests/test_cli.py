@@ -13,9 +13,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from sidecar.app import Sidecar
-from sidecar.config import OPTIONS, Settings, format_size, parse_size
-from sidecar.errors import ConfigError
+from sidecar.config import OPTIONS, Settings
+from sidecar.core.errors import ConfigError
+from sidecar.core.units import format_size, parse_size
+from sidecar.process.app import Sidecar
 from tests.broken_adapters import edit_config
 from tests.conftest import StartSidecar, call, local_registry_adapter, make_settings
 
@@ -357,7 +358,7 @@ def test_decimal_size_units_are_refused_naming_the_binary_one(tmp_path: Path) ->
 def test_sign_then_validate_with_the_policy_accepts_the_folder_and_a_change_is_named(
     tmp_path: Path
 ) -> None:
-    from sidecar.examples import write_adapter
+    from sidecar.process.examples import write_adapter
     from tests.signing_keys import key_policy, make_key, write_sha256sums
 
     key = make_key(tmp_path / "keys", "acme-2026")
@@ -388,7 +389,7 @@ def test_sign_then_validate_with_the_policy_accepts_the_folder_and_a_change_is_n
 
 
 def test_sign_refuses_a_folder_holding_files_the_sidecar_would_refuse(tmp_path: Path) -> None:
-    from sidecar.examples import write_adapter
+    from sidecar.process.examples import write_adapter
     from tests.signing_keys import make_key
 
     key = make_key(tmp_path / "keys", "k")

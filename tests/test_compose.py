@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from sidecar.config import OPTIONS, Settings, TritonReload
-from sidecar.examples import write_adapter
+from sidecar.process.examples import write_adapter
 from sidecar.validation.shapes import TINY_LLAMA
 from tests.processes import SidecarProcess, stage_blocking
 from tests.triton.harness import import_router
@@ -365,7 +365,7 @@ def test_sidecar_environment_names_only_real_settings_and_parses(
     # The model config is only there inside the container; everything else must parse.
     settings = Settings.from_env({k: v for k, v in env.items()
                                   if k != "LORA_SIDECAR_BASE_MODEL_CONFIG"})
-    assert settings.is_s3 and settings.s3_endpoint_url == "http://minio:9000"
+    assert settings.registry.startswith("s3://") and settings.s3_endpoint_url == "http://minio:9000"
     assert settings.api_token == REQUIRED_SETTINGS["SIDECAR_API_TOKEN"]
     assert settings.host == "0.0.0.0"
 
@@ -842,4 +842,4 @@ def test_build_context_holds_what_the_image_needs_and_the_package_builds(tmp_pat
         names = archive.namelist()
         entry_points = next(n for n in names if n.endswith("entry_points.txt"))
         assert "lora-sidecar = sidecar.__main__:main" in archive.read(entry_points).decode()
-    assert "sidecar/__main__.py" in names and "sidecar/app.py" in names
+    assert "sidecar/__main__.py" in names and "sidecar/process/app.py" in names

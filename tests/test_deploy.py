@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 import yaml
 
-from sidecar.catalog.seed import REPOSITORY_DIR
-from sidecar.config import Settings, is_loopback
+from sidecar.config import Settings
+from sidecar.core.net import is_loopback
+from sidecar.process.seed import REPOSITORY_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "k8s"

@@ -17,9 +17,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-import sidecar.app
-from sidecar.app import Sidecar
+import sidecar.process.app
 from sidecar.config import Settings
+from sidecar.process.app import Sidecar
 from sidecar.validation.shapes import ModelShapes
 from sidecar.validation.validate import Rules
 from tests.cache_checks import check_cache, folder_bytes
@@ -72,7 +72,7 @@ def remount(target: Path, mode: str) -> None:
 @pytest.fixture
 def fast_health(monkeypatch: pytest.MonkeyPatch) -> None:
     """Health checks (cache writable, registry reachable) every 0.1 s instead of every 2 s."""
-    monkeypatch.setattr(sidecar.app, "HEALTH_INTERVAL_S", 0.1)
+    monkeypatch.setattr(sidecar.process.app, "HEALTH_INTERVAL_S", 0.1)
 
 
 def fill(folder: Path) -> Path:

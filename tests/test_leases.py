@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sidecar.cache.lease_journal import JOURNAL_NAME, LeaseJournal, lease_digest
+from sidecar.cache.lease_journal import LEASE_JOURNAL_NAME, LeaseJournal, lease_digest
 from sidecar.cache.records import AdapterRecord, FileRecord
 from sidecar.cache.store import AdapterStore
-from sidecar.errors import LeaseNotFound
-from sidecar.metrics import Metrics
+from sidecar.core.errors import LeaseNotFound
+from sidecar.core.metrics import Metrics
 from tests.conftest import local_registry_adapter
 from tests.processes import SidecarProcess, get_blocking, post_blocking, stage_blocking
 
@@ -89,12 +89,21 @@ class Clock:
         return self.now_s
 
 
+def new_store(root: Path, wall: Clock, monotonic: Clock, ttl_s: float = 60.0,
+              max_leases: int = 100_000) -> AdapterStore:
+    return AdapterStore(root, max_bytes=10**9, max_adapters=10, min_free_bytes=0,
+                        lease_ttl_s=ttl_s, metrics=Metrics(CollectorRegistry(), process=False),
+                        max_leases=max_leases, clock=wall, monotonic=monotonic)
+
+
+def records(wall: Clock) -> list[AdapterRecord]:
+    return [AdapterRecord(i, "test", wall(), {"w": FileRecord(10, "e", "0" * 8)})
+            for i in ("a", "b")]
+
+
 def make_store(root: Path, wall: Clock, monotonic: Clock, ttl_s: float = 60.0) -> AdapterStore:
-    store = AdapterStore(root, max_bytes=10**9, max_adapters=10, min_free_bytes=0,
-                         lease_ttl_s=ttl_s, metrics=Metrics(CollectorRegistry(), process=False),
-                         clock=wall, monotonic=monotonic)
-    store.install([AdapterRecord(i, "test", wall(), {"w": FileRecord(10, "e", "0" * 8)})
-                   for i in ("a", "b")])
+    store = new_store(root, wall, monotonic, ttl_s)
+    store.install(records(wall))
     return store
 
 
@@ -115,13 +124,14 @@ def test_a_stepped_wall_clock_neither_ends_nor_extends_a_live_lease(tmp_path: Pa
     assert not store.is_protected("a")
 
 
-def journaled_store(root: Path, wall: Clock, monotonic: Clock, boot_id: str) -> AdapterStore:
-    store = make_store(root, wall, monotonic)
-    journal = LeaseJournal(root / JOURNAL_NAME, wall=wall, monotonic=monotonic, boot_id=boot_id,
-                           max_leases=store.max_leases)
-    store.restore_leases(journal.load(store.lease_ttl_s))
+def journaled_store(root: Path, wall: Clock, monotonic: Clock, boot_id: str,
+                    max_leases: int = 100_000) -> AdapterStore:
+    """A store recovered as recovery.py does it: records, the journal's leases, the journal."""
+    store = new_store(root, wall, monotonic, max_leases=max_leases)
+    journal = LeaseJournal(root / LEASE_JOURNAL_NAME, wall=wall, monotonic=monotonic,
+                           boot_id=boot_id, max_leases=store.max_leases)
+    store.install(records(wall), leases=journal.load(store.lease_ttl_s), lease_journal=journal)
     journal.reset(store.live_leases())
-    store.journal = journal
     return store
 
 
@@ -130,8 +140,8 @@ def test_a_restart_on_the_same_boot_ages_leases_by_the_monotonic_clock(tmp_path:
     store = journaled_store(tmp_path, wall, monotonic, "boot-1")
     kept, released = store.lease("a"), store.lease("b")
     store.release(released.lease_id)
-    store.journal.flush()  # type: ignore[union-attr]
-    raw = (tmp_path / JOURNAL_NAME).read_text()
+    store.lease_journal.flush()  # type: ignore[union-attr]
+    raw = (tmp_path / LEASE_JOURNAL_NAME).read_text()
     assert kept.lease_id not in raw and lease_digest(kept.lease_id) in raw  # only digests
 
     monotonic.now_s += 20  # 20 s later, with the wall clock stepped two hours forward
@@ -167,7 +177,7 @@ def test_after_a_reboot_leases_age_by_the_wall_clock_clamped_to_their_ttl(
 
 
 def journal_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.glob(f"{JOURNAL_NAME}*"))
+    return sum(p.stat().st_size for p in root.glob(f"{LEASE_JOURNAL_NAME}*"))
 
 
 def test_the_journal_is_compacted_beside_new_appends_and_skips_a_torn_line(
@@ -176,7 +186,7 @@ def test_the_journal_is_compacted_beside_new_appends_and_skips_a_torn_line(
     monkeypatch.setattr("sidecar.cache.lease_journal.COMPACT_MIN_BYTES", 4096)
     wall, monotonic = Clock(1_800_000_000.0), Clock(5_000.0)
     store = journaled_store(tmp_path, wall, monotonic, "boot-1")
-    journal = store.journal
+    journal = store.lease_journal
     assert journal is not None
     live = store.lease("b")
     for _ in range(200):
@@ -189,7 +199,7 @@ def test_the_journal_is_compacted_beside_new_appends_and_skips_a_torn_line(
     journal.merge()
     assert not journal.compacting_path.exists()
     assert journal_bytes(tmp_path) < grown / 10
-    with open(tmp_path / JOURNAL_NAME, "a") as f:
+    with open(tmp_path / LEASE_JOURNAL_NAME, "a") as f:
         f.write("G 0123456789abcdef0123456789abcdef a 60000 18000")  # a crash mid-line
     again = journaled_store(tmp_path, wall, monotonic, "boot-1")
     assert (again.lease_count("a"), again.lease_count("b")) == (1, 1)
@@ -202,7 +212,7 @@ def test_a_crash_between_the_merge_and_removing_its_input_loses_nothing(
 ) -> None:
     wall, monotonic = Clock(1_800_000_000.0), Clock(5_000.0)
     store = journaled_store(tmp_path, wall, monotonic, "boot-1")
-    journal = store.journal
+    journal = store.lease_journal
     assert journal is not None
     kept, released = store.lease("a"), store.lease("b")
     store.release(released.lease_id)
@@ -218,13 +228,12 @@ def test_a_crash_between_the_merge_and_removing_its_input_loses_nothing(
 
 def test_past_the_cap_a_restart_keeps_the_newest_leases(tmp_path: Path) -> None:
     wall, monotonic = Clock(1_800_000_000.0), Clock(5_000.0)
-    store = journaled_store(tmp_path, wall, monotonic, "boot-1")
-    store.max_leases = 3
+    store = journaled_store(tmp_path, wall, monotonic, "boot-1", max_leases=3)
     leases = [store.lease("a") for _ in range(5)]
-    again = make_store(tmp_path, wall, monotonic)
-    journal = LeaseJournal(tmp_path / JOURNAL_NAME, wall=wall, monotonic=monotonic,
+    again = new_store(tmp_path, wall, monotonic)
+    journal = LeaseJournal(tmp_path / LEASE_JOURNAL_NAME, wall=wall, monotonic=monotonic,
                            boot_id="boot-1", max_leases=3)
-    again.restore_leases(journal.load(again.lease_ttl_s))
+    again.install(records(wall), leases=journal.load(again.lease_ttl_s))
     assert again.lease_count("a") == 3
     with pytest.raises(LeaseNotFound):
         again.release(leases[1].lease_id)

@@ -15,8 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from sidecar.config import LogFormat, Settings
-from sidecar.logs import JsonFormatter, fields
+from sidecar.config import Settings
+from sidecar.core.logs import JsonFormatter, LogFormat, fields
 from tests.broken_adapters import CORPUS
 from tests.conftest import (
     S3Registry,
@@ -175,7 +175,7 @@ def test_json_lines_put_the_fields_of_a_state_change_beside_the_message() -> Non
 def test_malformed_requests_are_logged_as_one_debug_line_without_a_traceback() -> None:
     from aiohttp.http_exceptions import LineTooLong
 
-    from sidecar.logs import _QuietBadRequests
+    from sidecar.web.server import _QuietBadRequests
 
     try:
         raise LineTooLong("header line", "8190", "20000")

@@ -13,7 +13,6 @@ import aiohttp
 from aiohttp import web
 
 from sidecar.cache.records import RECORD_NAME
-from sidecar.metrics import STAGE_BUCKETS_S
 from tests.broken_adapters import CORPUS
 from tests.conftest import (
     S3Registry,
@@ -87,8 +86,9 @@ async def test_histograms_span_1ms_to_10min_and_the_process_is_described(
 ) -> None:
     sidecar = await start_sidecar(make_settings(tmp_path))
     m = await scrape(http, sidecar.url)
-    expected = [*STAGE_BUCKETS_S, math.inf]
-    assert expected[0] == 0.001 and expected[-2] == 600.0
+    # Written out, not read from the code: a hit is a millisecond, a cold adapter minutes.
+    expected = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                30.0, 60.0, 120.0, 300.0, 600.0, math.inf]
     for family in ("lora_sidecar_stage_duration_seconds",
                    "lora_sidecar_download_duration_seconds"):
         assert m.types[family] == "histogram"
@@ -98,7 +98,7 @@ async def test_histograms_span_1ms_to_10min_and_the_process_is_described(
     for result in ("hit", "miss", "error"):  # present from the start, at zero
         assert m.value("lora_sidecar_stage_requests_total", result=result) == 0
     assert m.value("process_resident_memory_bytes") > 0
-    assert m.value("process_cpu_seconds_total") > 0
+    assert m.value("process_cpu_seconds_total") >= 0  # described; a fast start may show 0
     assert m.value("process_open_fds") > 0
     assert "python_info" in m.families
     assert "python_gc_objects_collected" in m.families

@@ -33,7 +33,7 @@ import boto3
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.examples import write_adapter
+from sidecar.process.examples import write_adapter
 from sidecar.validation.shapes import TINY_LLAMA
 from tests.processes import SidecarProcess, http_status
 from tests.triton.harness import HEADER_FORWARD_ARGS, ROUTER, TritonServer, router_config

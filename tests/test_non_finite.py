@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from sidecar.cache.records import Check
-from sidecar.examples import tensor_name, write_adapter
+from sidecar.process.examples import tensor_name, write_adapter
 from sidecar.registry.checksum import crc32_hex
 from sidecar.registry.transfer import TransferPolicy, part_starts
 from sidecar.validation.shapes import ModelShapes

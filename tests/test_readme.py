@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from sidecar import errors
+from sidecar.core import errors
 from sidecar.web import api
 from tests.processes import free_port, http_status
 
@@ -64,6 +64,36 @@ def test_every_error_code_of_the_api_is_in_the_readme_with_its_status() -> None:
 def test_the_readme_lists_no_code_the_api_cannot_answer() -> None:
     stale = sorted(set(readme_error_table()) - set(api_error_codes()))
     assert not stale, f"README's error table lists codes the API never answers: {stale}"
+
+
+# ---- the layout ----------------------------------------------------------------------------
+
+
+def readme_layout() -> dict[str, set[str]]:
+    """Folder (or top-level module) -> the module names its row of "How the code is laid out"
+    gives."""
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## How the code is laid out"):]
+    block = section.split("```")[1]
+    rows: dict[str, set[str]] = {}
+    current = ""
+    for line in block.strip().splitlines():
+        if line.startswith("sidecar/"):
+            current, _, line = line.partition(" ")
+            rows[current] = {Path(current).name} if current.endswith(".py") else set()
+        rows[current] |= set(re.findall(r"\b([a-z0-9_]+\.py)\b", line))
+    return rows
+
+
+def test_the_layout_names_every_module_of_sidecar_in_its_folder_and_no_other() -> None:
+    rows = readme_layout()
+    named = {(folder if folder.endswith("/") else "sidecar/", module)
+             for folder, modules in rows.items() for module in modules
+             if folder.endswith("/") or module == Path(folder).name}
+    on_disk = {(f"{path.parent.relative_to(REPO).as_posix()}/", path.name)
+               for path in (REPO / "sidecar").rglob("*.py") if path.name != "__init__.py"}
+    assert sorted(on_disk - named) == [], "modules the README's layout does not name"
+    assert sorted(named - on_disk) == [], "modules the README's layout names that do not exist"
 
 
 # ---- the quick start, run as written ------------------------------------------------------

@@ -15,10 +15,10 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sidecar.app import Sidecar
 from sidecar.cache.records import RECORD_NAME, AdapterRecord
 from sidecar.cache.store import AdapterStore
-from sidecar.examples import write_adapter
+from sidecar.process.app import Sidecar
+from sidecar.process.examples import write_adapter
 from sidecar.validation.shapes import ModelShapes
 from tests.conftest import StartSidecar, call, local_registry_adapter, make_settings
 from tests.processes import SidecarProcess, get_blocking, stage_blocking
@@ -104,7 +104,7 @@ async def test_healthz_answers_and_readyz_counts_while_a_slow_recovery_runs(
         return read_record(store, folder)
 
     monkeypatch.setattr(AdapterStore, "read_record", stalling_read)
-    second = Sidecar(settings, registry=CollectorRegistry())
+    second = Sidecar(settings, metrics_registry=CollectorRegistry())
     try:
         await second.start(wait_for_recovery=False)
         assert (await call(http, "GET", f"{second.url}/healthz"))[0] == 200

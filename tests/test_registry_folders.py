@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from sidecar.app import Sidecar
+from sidecar.process.app import Sidecar
 from tests.conftest import (
     S3Registry,
     StartSidecar,

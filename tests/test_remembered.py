@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 
 from sidecar.cache.stager import RELIST_REFUSED_S
-from sidecar.examples import write_adapter
+from sidecar.process.examples import write_adapter
 from tests.conftest import (
     S3Registry,
     StartSidecar,
@@ -57,7 +57,8 @@ async def test_a_remembered_refusal_holds_for_the_same_files_and_a_new_upload_is
     assert "remembered" in again["message"] and fresh["remembered_until"] in again["message"]
     assert "a new upload of the adapter is judged afresh" in again["message"]
     assert again["problems"] == fresh["problems"]
-    downloads = sidecar.metrics.registry.get_sample_value("lora_sidecar_download_bytes_total")
+    downloads = sidecar.metrics.metrics_registry.get_sample_value(
+        "lora_sidecar_download_bytes_total")
 
     shutil.rmtree(folder)
     write_adapter(folder, rank=8)  # fixed in the registry: nothing else to do
@@ -71,7 +72,7 @@ async def test_a_remembered_refusal_holds_for_the_same_files_and_a_new_upload_is
     assert body["cached"] is False
     assert time.monotonic() - fixed_at < RELIST_REFUSED_S + 2
     # The remembered verdict cost no download of the same files.
-    assert downloads == sidecar.metrics.registry.get_sample_value(
+    assert downloads == sidecar.metrics.metrics_registry.get_sample_value(
         "lora_sidecar_download_bytes_total") - body["size_bytes"]
 
 

@@ -12,8 +12,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.app import Sidecar
-from sidecar.catalog.seed import REPOSITORY_DIR, seed_model_repository
+from sidecar.process.app import Sidecar
+from sidecar.process.seed import REPOSITORY_DIR, seed_model_repository
 from tests.conftest import S3Registry, StartSidecar, call, make_settings, s3_settings
 from tests.triton.harness import TRITON_REPO
 

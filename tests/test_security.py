@@ -26,10 +26,10 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from sidecar.__main__ import build_parser, settings_from
-from sidecar.app import Sidecar
 from sidecar.config import Settings
-from sidecar.errors import ConfigError
-from sidecar.examples import write_adapter
+from sidecar.core.errors import ConfigError
+from sidecar.process.app import Sidecar
+from sidecar.process.examples import write_adapter
 from sidecar.web import api
 from tests.conftest import (
     S3Registry,

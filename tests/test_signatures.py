@@ -14,8 +14,8 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from sidecar.examples import write_adapter
-from sidecar.filehash import hash_file
+from sidecar.core.filehash import hash_file
+from sidecar.process.examples import write_adapter
 from sidecar.validation.signatures import (
     SIGNATURE_CODES,
     SignatureVerdict,

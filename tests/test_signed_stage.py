@@ -16,9 +16,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from sidecar.app import Sidecar
 from sidecar.cache.stager import RELIST_REFUSED_S
-from sidecar.examples import write_adapter
+from sidecar.process.app import Sidecar
+from sidecar.process.examples import write_adapter
 from tests.conftest import S3Registry, StartSidecar, call, make_settings, s3_settings, stage_ok
 from tests.observing import eventually
 from tests.signing_keys import (
@@ -61,7 +61,7 @@ def staging_left(sidecar: Sidecar) -> list[str]:
 
 
 def verifications(sidecar: Sidecar, outcome: str) -> float:
-    value = sidecar.metrics.registry.get_sample_value(
+    value = sidecar.metrics.metrics_registry.get_sample_value(
         "lora_sidecar_signature_verifications_total", {"outcome": outcome})
     return value or 0.0
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import aiohttp
 
-from sidecar.examples import EXAMPLE_ADAPTERS, ensure_examples
+from sidecar.process.examples import EXAMPLE_ADAPTERS, ensure_examples
 from tests.conftest import S3Registry, StartSidecar, call, s3_settings
 from tests.observing import eventually
 from tests.processes import SidecarProcess

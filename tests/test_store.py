@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.cache.records import AdapterRecord, FileRecord
 from sidecar.cache.store import AdapterStore
-from sidecar.errors import LeaseNotFound
-from sidecar.metrics import Metrics
+from sidecar.core.errors import LeaseNotFound
+from sidecar.core.metrics import Metrics
 
 
 class Clock:
@@ -21,10 +21,10 @@ class Clock:
         return self.now_s
 
 
-def store_with_adapter(tmp_path: Path, clock: Clock) -> AdapterStore:
+def store_with_adapter(tmp_path: Path, clock: Clock, max_leases: int = 100) -> AdapterStore:
     store = AdapterStore(tmp_path, max_bytes=10**9, max_adapters=10, min_free_bytes=0,
                          lease_ttl_s=60.0, metrics=Metrics(CollectorRegistry(), process=False),
-                         clock=clock, monotonic=clock)
+                         max_leases=max_leases, clock=clock, monotonic=clock)
     store.install([AdapterRecord("a", "test", clock(), {"w": FileRecord(10, "e", "0" * 64)})])
     return store
 
@@ -53,8 +53,7 @@ def test_expiry_drops_exactly_the_leases_past_their_ttl(tmp_path: Path) -> None:
 
 def test_past_the_lease_cap_the_oldest_lease_ends_early(tmp_path: Path) -> None:
     clock = Clock()
-    store = store_with_adapter(tmp_path, clock)
-    store.max_leases = 3
+    store = store_with_adapter(tmp_path, clock, max_leases=3)
     leases = [store.lease("a") for _ in range(5)]
 
     assert store.snapshot().active_leases == 3
@@ -64,3 +63,30 @@ def test_past_the_lease_cap_the_oldest_lease_ends_early(tmp_path: Path) -> None:
             store.release(dropped.lease_id)
     assert store.release(leases[4].lease_id).adapter_id == "a"
     assert store.lease_count("a") == 2
+
+
+def test_the_store_trims_itself_when_a_release_or_an_unclaim_frees_room(tmp_path: Path) -> None:
+    clock = Clock()
+    store = AdapterStore(tmp_path, max_bytes=10**9, max_adapters=1, min_free_bytes=0,
+                         lease_ttl_s=60.0, metrics=Metrics(CollectorRegistry(), process=False),
+                         clock=clock, monotonic=clock)
+    store.prepare()
+    for adapter_id in ("a", "b", "c"):
+        (tmp_path / "adapters" / adapter_id).mkdir()
+
+    def record(adapter_id: str) -> AdapterRecord:
+        return AdapterRecord(adapter_id, "test", clock(), {"w": FileRecord(10, "e", "0" * 8)})
+
+    store.install([record("a")])
+    lease = store.lease("a")
+    store.claim("b")
+    store.admit(record("b"))  # one adapter over the budget: a is leased, b about to be
+    assert sorted(a.adapter_id for a in store.adapters()) == ["a", "b"]
+
+    store.release(lease.lease_id)
+    assert [a.adapter_id for a in store.adapters()] == ["b"]
+    store.claim("c")
+    store.admit(record("c"))
+    store.unclaim("b")
+    assert [a.adapter_id for a in store.adapters()] == ["c"]
+    assert not (tmp_path / "adapters" / "a").exists()  # moved to .trash/, not left behind

@@ -14,7 +14,7 @@ from typing import Any
 import boto3
 import pytest
 
-from sidecar.examples import write_adapter
+from sidecar.process.examples import write_adapter
 
 REPO = Path(__file__).resolve().parents[1]
 UPLOAD_SCRIPT = REPO / "compose" / "upload_adapters.py"

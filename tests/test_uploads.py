@@ -13,7 +13,7 @@ from pathlib import Path
 
 import aiohttp
 
-from sidecar.examples import write_adapter
+from sidecar.process.examples import write_adapter
 from tests.conftest import S3Registry, StartSidecar, call, make_settings
 from tests.observing import eventually
 from tests.processes import SidecarProcess

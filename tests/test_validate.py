@@ -21,9 +21,9 @@ from safetensors.numpy import load_file, save_file
 
 from sidecar.__main__ import main
 from sidecar.config import Settings
-from sidecar.errors import ConfigError
-from sidecar.examples import tensor_name, write_adapter
-from sidecar.fsutil import EntryKind
+from sidecar.core.errors import ConfigError
+from sidecar.core.fsutil import EntryKind
+from sidecar.process.examples import tensor_name, write_adapter
 from sidecar.validation.files import FileRole, classify, plan_files
 from sidecar.validation.safetensors_check import check_safetensors
 from sidecar.validation.shapes import ATTENTION_MODULES, MLP_MODULES, TINY_LLAMA

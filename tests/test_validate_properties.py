@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sidecar.examples import write_adapter
+from sidecar.process.examples import write_adapter
 from sidecar.validation.safetensors_check import HEADER_MAX_BYTES
 from sidecar.validation.shapes import ATTENTION_MODULES, MLP_MODULES
 from sidecar.validation.validate import Problem, Rules, validate_adapter
@@ -97,9 +97,12 @@ def test_random_header_after_a_plausible_length_gets_a_verdict(
 
 @PROPERTY_SETTINGS
 @given(data=st.data())
-def test_mutated_valid_file_gets_a_verdict(
+def test_a_mutated_valid_file_is_judged_without_an_error_reading_no_more_than_its_header(
     adapter: Path, valid_weights: bytes, data: st.DataObject
 ) -> None:
+    """A mutation may leave the file valid (a flipped bit in the data), so the property is the
+    one `verdict` asserts: a list of well-formed problems, never an exception, the read bound
+    kept, and the value scan adding only non_finite_weights."""
     header_end = 8 + struct.unpack("<Q", valid_weights[:8])[0]
     mutated = bytearray(valid_weights)
     mutation = data.draw(st.sampled_from(["flip", "truncate", "splice", "length"]))
@@ -156,7 +159,11 @@ def test_header_edits_get_a_verdict(
                      "base_model_name_or_path"]),
     json_values,
 ))  # fmt: skip
-def test_random_config_gets_a_verdict(adapter: Path, valid_weights: bytes, config: Any) -> None:
+def test_a_random_config_is_judged_without_an_error_reading_no_more_than_its_header(
+    adapter: Path, valid_weights: bytes, config: Any
+) -> None:
+    """Some random configs are valid, so the property is the one `verdict` asserts: a list of
+    well-formed problems, never an exception, and the read bound kept."""
     original = (adapter / CONFIG).read_bytes()
     try:
         (adapter / CONFIG).write_text(json.dumps(config))

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import aiohttp
 
-from sidecar.app import Sidecar
 from sidecar.cache.records import RECORD_NAME
-from sidecar.examples import write_adapter
+from sidecar.process.app import Sidecar
+from sidecar.process.examples import write_adapter
 from tests.broken_adapters import CORPUS
 from tests.conftest import StartSidecar, call, local_registry_adapter, make_settings, stage_ok
 from tests.observing import eventually, scrape

@@ -1,1 +1,1 @@
-"""The disk cache: records, recovery, LRU order, leases, budget, publish/evict, single flight."""
+"""The disk cache: records, admission, recovery, LRU order, leases, pins, budget, single flight."""

@@ -44,13 +44,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..fsutil import fsync_dir
-from ..ids import is_valid_adapter_id
-from ..logs import fields
+from ..core.fsutil import fsync_dir
+from ..core.ids import is_valid_adapter_id
+from ..core.logs import fields
 
 log = logging.getLogger(__name__)
 
-JOURNAL_NAME = ".leases"
+LEASE_JOURNAL_NAME = ".leases"
 FORMAT_LINE = "# lora-sidecar leases 1"
 COMPACT_MIN_BYTES = 1024 * 1024
 COMPACT_FACTOR = 4  # compacted once appends exceed this many times the live leases' lines

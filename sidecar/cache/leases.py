@@ -11,9 +11,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-from ..errors import LeaseNotFound
-from ..logs import fields
-from ..metrics import Metrics
+from ..core.errors import LeaseNotFound
+from ..core.logs import fields
+from ..core.metrics import Metrics
 from .lease_journal import JournalLease, LeaseJournal, lease_digest
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class LeaseTable:
         self._counts: dict[str, int] = {}  # adapter_id -> live leases
         self._random_pool: list[str] = []
         self._cap_warned_at = -math.inf
-        self.journal: LeaseJournal | None = None  # set by the recovery, once it is read
+        self.lease_journal: LeaseJournal | None = None  # the store installs it once recovered
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -57,8 +57,8 @@ class LeaseTable:
         digest = lease_digest(lease.lease_id)
         self._leases[lease.lease_id] = (adapter_id, expires_at, digest)
         self._counts[adapter_id] = self._counts.get(adapter_id, 0) + 1
-        if self.journal is not None:
-            self.journal.granted(digest, adapter_id, self.ttl_s, now, monotonic_now)
+        if self.lease_journal is not None:
+            self.lease_journal.granted(digest, adapter_id, self.ttl_s, now, monotonic_now)
         if len(self._leases) > self.max_leases:
             self._drop_oldest(monotonic_now)
         return lease
@@ -140,8 +140,8 @@ class LeaseTable:
             self._counts[adapter_id] = left
         else:
             del self._counts[adapter_id]
-        if journal and self.journal is not None:
-            self.journal.ended(digest)
+        if journal and self.lease_journal is not None:
+            self.lease_journal.ended(digest)
         expires_in_s = expires_at - self._monotonic()
         return Lease(lease_id, adapter_id, expires_at, self._clock() + expires_in_s)
 

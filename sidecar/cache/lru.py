@@ -16,7 +16,6 @@ from .records import AdapterRecord
 class CachedAdapter:
     record: AdapterRecord
     last_used: float
-    pinned: bool = False
 
     @property
     def adapter_id(self) -> str:

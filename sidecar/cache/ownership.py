@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import CacheOwned
+from ..core.errors import CacheOwned
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from ..filehash import hash_file
-from ..fsutil import fsync_dir, iso_utc
-from ..ids import is_valid_adapter_id
-from ..logs import fields
+from ..core.filehash import hash_file
+from ..core.fsutil import fsync_dir, iso_utc
+from ..core.ids import is_valid_adapter_id
+from ..core.logs import fields
 from ..validation.files import SIGNATURE_FILE
 from ..validation.signatures import SignatureVerdict
 from ..validation.signing_policy import SignatureMode

@@ -1,5 +1,6 @@
-"""Start-up recovery: re-index the cache's published folders, take back the lease journal and
-trim to the budget, one folder at a time in threads while the port already answers.
+"""Start-up recovery: re-index the cache's published folders and take back the lease journal
+(the store trims to its budget as it installs them), one folder at a time in threads while the
+port already answers.
 """
 
 from __future__ import annotations
@@ -7,18 +8,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
 
-from ..filehash import hash_file
-from ..logs import fields
-from ..metrics import Metrics
+from ..core.filehash import hash_file
+from ..core.logs import fields
+from ..core.metrics import Metrics
 from ..validation.signatures import SignatureVerdict, verify_folder
 from ..validation.signing_policy import SignatureMode
 from ..validation.validate import Rules, validate_adapter
+from .admission import signature_rechecked
 from .lease_journal import JournalLease, LeaseJournal
-from .records import AdapterRecord, Check, SignatureRecord, add_verified, rewrite_record
+from .records import AdapterRecord, Check, add_verified, rewrite_record
 from .store import AdapterStore
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,6 @@ async def recover(
     store: AdapterStore,
     rules: Rules,
     *,
-    pins: Iterable[str],
     max_leases: int,
     lease_ttl_s: float,
     on_problem: Callable[[str], None],
@@ -45,7 +45,7 @@ async def recover(
         on_problem(f"cannot prepare the cache root {store.root}: {exc.strerror or exc}")
         if not store.adapters_dir.is_dir():
             return
-    journal = LeaseJournal(store.journal_path, max_leases=max_leases)
+    journal = LeaseJournal(store.lease_journal_path, max_leases=max_leases)
     leases = await _read_journal(journal, lease_ttl_s)
     try:
         folders = await asyncio.to_thread(store.published_folders)
@@ -77,10 +77,7 @@ async def recover(
             metrics.signature_verifications.labels(outcome=verdict.outcome).inc()
         if verdict.problems:
             return [f"{p.code} {p.file}: {p.message}" for p in verdict.problems]
-        checks = tuple(c for c in record.verified if c != Check.SIGNATURE)
-        rewritten[folder.name] = rewrite_record(folder, replace(
-            record, signature=SignatureRecord.of(verdict),
-            verified=(*checks, Check.SIGNATURE) if verdict.signed else checks))
+        rewritten[folder.name] = rewrite_record(folder, signature_rechecked(record, verdict))
         return []
 
     records, quarantined = [], 0
@@ -95,11 +92,7 @@ async def recover(
             log.warning("cannot quarantine adapter folder %s: %s", folder.name,
                         exc.strerror or exc)
         on_progress(checked, len(folders))
-    for adapter_id in pins:
-        store.pin(adapter_id)
-    store.install(records)
-    restored = store.restore_leases(leases)
-    store.journal = journal
+    installed = store.install(records, leases=leases, lease_journal=journal)
     try:
         # Nothing can lease yet (the API waits for recovery), so off the loop is safe.
         await asyncio.to_thread(journal.reset, store.live_leases())
@@ -107,13 +100,12 @@ async def recover(
         journal.failed = True
         log.warning("cannot write the lease journal %s (%s): leases will not survive a "
                     "restart", journal.path, exc.strerror or exc)
-    evicted = store.trim()
     elapsed_s = time.perf_counter() - started
     log.info("recovered cache in %.2fs: adopted=%d quarantined=%d leases=%d "
              "evicted_to_budget=%d bytes=%d", elapsed_s, len(records), quarantined,
-             restored, len(evicted), store.total_bytes,
+             installed.restored_leases, installed.evicted, store.total_bytes,
              extra=fields(event="recovered", adapters=len(records), quarantined=quarantined,
-                          leases=restored, duration_s=round(elapsed_s, 3)))
+                          leases=installed.restored_leases, duration_s=round(elapsed_s, 3)))
 
 
 def _signature_changed(folder: Path, record: AdapterRecord,

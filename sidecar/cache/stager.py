@@ -13,23 +13,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import (
+from ..core.errors import (
     AdapterNotFound,
     CacheFull,
     CacheUnwritable,
     InvalidAdapter,
-    InvalidAdapterId,
     NotCached,
     RegistryTransient,
     SidecarError,
     StageTimeout,
 )
-from ..fsutil import EntryKind, fsync_dir, iso_utc, remove_tree
-from ..ids import is_valid_adapter_id
-from ..logs import fields
-from ..metrics import Metrics
-from ..registry.base import AdapterSource, FetchedFile, Listing, RemoteFile
-from ..validation.files import CHECKSUMS_FILE, SIGNATURE_FILE, WEIGHTS_FILE, plan_files
+from ..core.fsutil import EntryKind, iso_utc, remove_tree
+from ..core.ids import check_adapter_id
+from ..core.logs import fields
+from ..core.metrics import Metrics
+from ..registry.base import AdapterRegistry, FetchedFile, Listing, RemoteFile
+from ..validation.files import SIGNATURE_FILE, WEIGHTS_FILE, plan_files
 from ..validation.problem import Problem
 from ..validation.signatures import (
     SIGNATURE_CODES,
@@ -41,9 +40,10 @@ from ..validation.signatures import (
 from ..validation.signing_policy import SignatureMode
 from ..validation.validate import Rules, validate_adapter
 from ..validation.values import ValueReport, ValueScan, finish_scan
+from .admission import Passed, admit_staged
 from .leases import Lease
 from .lru import CachedAdapter
-from .records import AdapterRecord, Check, FileRecord, SignatureRecord, write_record
+from .records import FileRecord
 from .store import AdapterStore
 
 log = logging.getLogger(__name__)
@@ -76,38 +76,27 @@ class StageResult:
     cached: bool  # true when the adapter was on disk already (a hit)
 
 
-def check_adapter_id(adapter_id: object) -> str:
-    if not is_valid_adapter_id(adapter_id):
-        shown = repr(adapter_id)[:80]
-        raise InvalidAdapterId(
-            f"invalid adapter id {shown}: ids are 1-128 characters of letters, digits, '.', "
-            "'_' and '-', starting with a letter or digit"
-        )
-    assert isinstance(adapter_id, str)
-    return adapter_id
-
-
 class Stager:
     def __init__(
         self,
         store: AdapterStore,
-        source: AdapterSource,
+        registry: AdapterRegistry,
         rules: Rules,
         metrics: Metrics,
         *,
         refusal_ttl_s: float,
         not_found_ttl_s: float = 0.0,
         upload_settle_s: float = 0.0,
-        on_source_result: Callable[[SidecarError | None], None] = lambda _: None,
+        on_registry_result: Callable[[SidecarError | None], None] = lambda _: None,
     ) -> None:
         self._store = store
-        self._source = source
+        self._registry = registry
         self._rules = rules
         self._metrics = metrics
         self._refusal_ttl_s = refusal_ttl_s
         self._not_found_ttl_s = not_found_ttl_s
         self._upload_settle_s = upload_settle_s
-        self._on_source_result = on_source_result
+        self._on_registry_result = on_registry_result
         self._inflight: dict[str, asyncio.Task[None]] = {}
         # Verdicts answered again without a fetch until they expire (monotonic seconds): a
         # refusal for --refusal-ttl, "not in the registry" for --not-found-ttl. Ids asked for
@@ -181,6 +170,15 @@ class Stager:
                          adapter_id)
         finally:
             self._store.unclaim(adapter_id)
+
+    async def pin(self, adapter_id: str, *, timeout_s: float) -> StageResult:
+        """Stage an adapter and pin it: never evicted until unpinned. CacheFull before any
+        download when pinned adapters would fill the adapter budget."""
+        self._store.pins.check_room(adapter_id)
+        result = await self.stage(adapter_id, timeout_s=timeout_s, lease=False)
+        self._store.pin(adapter_id)  # no await since the stage returned: it is still cached
+        log.info("pinned adapter_id=%s", adapter_id)
+        return result
 
     def _hand_out(self, adapter_id: str, lease: bool, *, cached: bool) -> StageResult:
         if lease:
@@ -289,20 +287,15 @@ class Stager:
             self._count_signature(verdict, problems)
             if problems:
                 raise self._refuse(adapter_id, problems, listing)
-            record = AdapterRecord(
-                adapter_id=adapter_id,
-                source=self._source.description,
-                staged_at=time.time(),
-                files={
-                    f.name: FileRecord(f.size_bytes, f.etag, got.crc32, got.sha256)
-                    for f, got in zip(listing.files, fetched, strict=True)
-                },
-                verified=_checks_passed(listing, fetched, verdict),
-                signature=SignatureRecord.of(verdict),
-            )
-            record = await asyncio.to_thread(_seal, staging, record)
-            self._store.publish(staging, record)
-            staging = None
+            passed = Passed(
+                adapter_id, self._registry.description,
+                {f.name: FileRecord(f.size_bytes, f.etag, got.crc32, got.sha256)
+                 for f, got in zip(listing.files, fetched, strict=True)},
+                verdict,
+                registry_checksums=any(got.registry_crc32 or got.registry_sha256
+                                       for got in fetched))
+            await admit_staged(self._store, staging, passed)
+            staging = None  # renamed into adapters/
             elapsed = time.perf_counter() - started
             self._metrics.download_duration.observe(elapsed)
             log.info("staged adapter_id=%s bytes=%d files=%d in %.2fs (%.1f MiB/s)", adapter_id,
@@ -310,10 +303,6 @@ class Stager:
                      size_bytes / 1024**2 / max(elapsed, 1e-6),
                      extra=fields(event="staged", adapter_id=adapter_id, size_bytes=size_bytes,
                                   files=len(listing.files), duration_s=round(elapsed, 3)))
-            # Trimmed in the same loop step as the publication, never after an await: no
-            # request may see the cache over budget with an adapter nothing protects.
-            self._store.trim()
-            await asyncio.to_thread(fsync_dir, self._store.adapters_dir)
         except SidecarError as exc:
             _log_failure(adapter_id, exc, time.perf_counter() - started)
             raise
@@ -346,13 +335,13 @@ class Stager:
 
     async def _list(self, adapter_id: str) -> Listing:
         try:
-            listing = await self._source.list_files(adapter_id)
+            listing = await self._registry.list_files(adapter_id)
         except SidecarError as exc:
-            self._on_source_result(exc)
+            self._on_registry_result(exc)
             if isinstance(exc, AdapterNotFound):
                 self._remember_not_found(exc)
             raise
-        self._on_source_result(None)
+        self._on_registry_result(None)
         # The whole upload as listed: a remembered refusal holds for exactly it.
         listing = dataclasses.replace(listing, upload=listing.signature())
         self._recall(adapter_id, listing)
@@ -474,7 +463,7 @@ class Stager:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             if isinstance(exc, SidecarError):
-                self._on_source_result(exc)
+                self._on_registry_result(exc)
             raise
 
     async def _fetch_one(
@@ -483,9 +472,9 @@ class Stager:
         """One file; the weights' tensor values are checked in the chunks the download
         reads, and what it could not check in flight is read back at the end."""
         if file.name != WEIGHTS_FILE:
-            return await self._source.fetch(adapter_id, file, dest, count, sha256=True), None
+            return await self._registry.fetch(adapter_id, file, dest, count, sha256=True), None
         scan = ValueScan(file.size_bytes)
-        fetched = await self._source.fetch(adapter_id, file, dest, count, inspect=scan,
+        fetched = await self._registry.fetch(adapter_id, file, dest, count, inspect=scan,
                                            sha256=True)
         return fetched, await asyncio.to_thread(finish_scan, scan, dest)
 
@@ -524,25 +513,6 @@ def _checksum_problems(name: str, got: FetchedFile) -> list[Problem]:
 def _unlink_all(paths: list[Path]) -> None:
     for path in paths:
         path.unlink(missing_ok=True)
-
-
-def _checks_passed(listing: Listing, fetched: list[FetchedFile],
-                   verdict: SignatureVerdict) -> tuple[str, ...]:
-    checks = [Check.RULES, Check.VALUES]
-    if any(got.registry_crc32 or got.registry_sha256 for got in fetched):
-        checks.append(Check.REGISTRY)
-    if any(f.name == CHECKSUMS_FILE for f in listing.files):
-        checks.append(Check.SHA256SUMS)
-    if verdict.signed is not None:
-        checks.append(Check.SIGNATURE)
-    return tuple(checks)
-
-
-def _seal(staging: Path, record: AdapterRecord) -> AdapterRecord:
-    """Write the record (with the files' times, as sealed) and make the folder durable."""
-    sealed = write_record(staging, record)
-    fsync_dir(staging)
-    return sealed
 
 
 def _log_failure(adapter_id: str, error: SidecarError, elapsed_s: float) -> None:

@@ -1,7 +1,10 @@
-"""The disk cache: index of published adapters, pins and claims, budget, publish and evict.
+"""The disk cache: index of published adapters, pins and claims, budget, admit and evict.
 
 State changes happen only on the event loop and only together with the one `rename()` that
-makes them true on disk, so the index and the folder under `adapters/` never disagree.
+makes them true on disk, so the index and the folder under `adapters/` never disagree. The store
+keeps its own budget: every change that can free room or add bytes (an admission, a recovery's
+install, a lease released or expired, an unpin, a claim dropped) trims it in the same step, and
+the folders it evicts are deleted by the store alone.
 """
 
 from __future__ import annotations
@@ -18,14 +21,15 @@ from datetime import UTC, datetime
 from enum import Enum
 from pathlib import Path
 
-from ..config import format_size
-from ..errors import AdapterInUse, CacheFull, NotCached
-from ..fsutil import remove_tree
-from ..logs import fields
-from ..metrics import Metrics
-from .lease_journal import JOURNAL_NAME, JournalLease, LeaseJournal
+from ..core.errors import AdapterInUse, CacheFull, NotCached
+from ..core.fsutil import remove_tree
+from ..core.logs import fields
+from ..core.metrics import Metrics
+from ..core.units import format_size
+from .lease_journal import LEASE_JOURNAL_NAME, JournalLease, LeaseJournal
 from .leases import Lease, LeaseTable
 from .lru import CachedAdapter, LruIndex, eviction_order
+from .pins import Pins
 from .records import (
     RECORD_NAME,
     AdapterRecord,
@@ -49,6 +53,14 @@ class Eviction:
 class Reservation:
     adapter_id: str
     size_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Installed:
+    """What a recovery's install did: leases taken back, adapters evicted to the budget."""
+
+    restored_leases: int
+    evicted: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +104,7 @@ class AdapterStore:
         lease_ttl_s: float,
         metrics: Metrics,
         max_leases: int = 100_000,
+        pinned: Iterable[str] = (),
         listener: StoreListener | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
@@ -112,14 +125,14 @@ class AdapterStore:
         self._leases = LeaseTable(lease_ttl_s, max_leases, metrics, clock, monotonic)
         self._claims: dict[str, int] = {}  # callers waiting to lease an adapter being staged
         self._reservations: list[Reservation] = []
-        self._pins: set[str] = set()
+        self.pins = Pins(pinned, max_adapters=max_adapters, on_disk=self._index.__contains__)
         self._trash_pending: list[Path] = []
         self._listener = listener or StoreListener()
         self._deleting: set[asyncio.Future[None]] = set()  # evicted folders being deleted
 
     @property
-    def journal_path(self) -> Path:
-        return self.root / JOURNAL_NAME
+    def lease_journal_path(self) -> Path:
+        return self.root / LEASE_JOURNAL_NAME
 
     # ---- start-up ----------------------------------------------------------------------
 
@@ -171,12 +184,18 @@ class AdapterStore:
         """The folder's record, checked against the files present (stat only, no hashing)."""
         return read_record(folder)
 
-    def install(self, records: Iterable[AdapterRecord]) -> None:
-        """Put recovered records into the index, oldest staged first (the LRU order)."""
+    def install(self, records: Iterable[AdapterRecord], *, leases: Iterable[JournalLease] = (),
+                lease_journal: LeaseJournal | None = None) -> Installed:
+        """Put recovered records into the index, oldest staged first (the LRU order), take back
+        the leases a previous process granted on them (before anything is trimmed) and the lease
+        journal that records new ones, then trim to the budget."""
         for record in sorted(records, key=lambda r: r.staged_at):
-            self._index.add_newest(CachedAdapter(
-                record, last_used=record.staged_at, pinned=record.adapter_id in self._pins
-            ))
+            self._index.add_newest(CachedAdapter(record, last_used=record.staged_at))
+        restored = self._leases.restore(
+            lease for lease in leases if lease.adapter_id in self._index)
+        if lease_journal is not None:
+            self._leases.lease_journal = lease_journal
+        return Installed(restored, len(self._restore_budget()))
 
     def quarantine(self, folder: Path, reason: str) -> Path:
         """Move a folder out of `adapters/` for an operator to inspect (blocking, a rename)."""
@@ -202,7 +221,7 @@ class AdapterStore:
         return self.adapters_dir / adapter_id
 
     def is_pinned(self, adapter_id: str) -> bool:
-        return adapter_id in self._pins
+        return adapter_id in self.pins
 
     def snapshot(self) -> CacheSnapshot:
         return CacheSnapshot(
@@ -210,7 +229,7 @@ class AdapterStore:
             cache_adapters=len(self._index),
             capacity_bytes=self.max_bytes,
             capacity_adapters=self.max_adapters,
-            pinned_adapters=sum(1 for a in self._index.values() if a.pinned),
+            pinned_adapters=self.pins.on_disk(),
             active_leases=len(self._leases),
         )
 
@@ -227,7 +246,11 @@ class AdapterStore:
         now = self._clock()
         adapter.last_used = now
         self._index.touch(adapter_id)
-        return self._leases.grant(adapter_id, now)
+        at_cap = len(self._leases) >= self._leases.max_leases
+        lease = self._leases.grant(adapter_id, now)
+        if at_cap:  # the oldest lease ended early: what it held may have to go
+            self._restore_budget()
+        return lease
 
     def touch(self, adapter_id: str) -> None:
         adapter = self._index[adapter_id]
@@ -235,10 +258,15 @@ class AdapterStore:
         self._index.touch(adapter_id)
 
     def release(self, lease_id: str) -> Lease:
-        return self._leases.release(lease_id)
+        lease = self._leases.release(lease_id)
+        self._restore_budget()
+        return lease
 
     def expire_leases(self) -> list[Lease]:
-        return self._leases.expire()
+        expired = self._leases.expire()
+        if expired:
+            self._restore_budget()
+        return expired
 
     def next_lease_expiry(self) -> float | None:
         """On the store's monotonic clock."""
@@ -250,12 +278,6 @@ class AdapterStore:
 
     def lease_count(self, adapter_id: str) -> int:
         return self._leases.count_of(adapter_id)
-
-    def restore_leases(self, leases: Iterable[JournalLease]) -> int:
-        """Take back the leases a previous process granted, for adapters still in the index;
-        before any trim. Returns how many were restored."""
-        return self._leases.restore(
-            lease for lease in leases if lease.adapter_id in self._index)
 
     @property
     def live_lease_count(self) -> int:
@@ -269,17 +291,10 @@ class AdapterStore:
     def max_leases(self) -> int:
         return self._leases.max_leases
 
-    @max_leases.setter
-    def max_leases(self, value: int) -> None:
-        self._leases.max_leases = value
-
     @property
-    def journal(self) -> LeaseJournal | None:
-        return self._leases.journal
-
-    @journal.setter
-    def journal(self, journal: LeaseJournal | None) -> None:
-        self._leases.journal = journal
+    def lease_journal(self) -> LeaseJournal | None:
+        """Where grants and releases are written; None until the recovery installs it."""
+        return self._leases.lease_journal
 
     # ---- claims: a caller that will lease an adapter once its stage finishes ------------
 
@@ -292,11 +307,12 @@ class AdapterStore:
             self._claims[adapter_id] = left
         else:
             self._claims.pop(adapter_id, None)
+            self._restore_budget()
 
     def is_protected(self, adapter_id: str) -> bool:
         """Never evicted to make room: pinned, leased, or about to be leased."""
         return (
-            adapter_id in self._pins
+            adapter_id in self.pins
             or self._leases.holds(adapter_id)
             or adapter_id in self._claims
         )
@@ -304,16 +320,13 @@ class AdapterStore:
     # ---- pins --------------------------------------------------------------------------
 
     def pin(self, adapter_id: str) -> None:
-        self._pins.add(adapter_id)
-        if adapter_id in self._index:
-            self._index[adapter_id].pinned = True
+        self.pins.add(adapter_id)
 
     def unpin(self, adapter_id: str) -> bool:
-        was = adapter_id in self._pins
-        self._pins.discard(adapter_id)
-        if adapter_id in self._index:
-            self._index[adapter_id].pinned = False
-        return was
+        """Unpin (see Pins.remove) and trim what the pin kept over the budget."""
+        was_pinned = self.pins.remove(adapter_id)
+        self._restore_budget()
+        return was_pinned
 
     # ---- budget ------------------------------------------------------------------------
 
@@ -329,7 +342,7 @@ class AdapterStore:
         reserved_bytes = sum(r.size_bytes for r in others)
         room_bytes = self.max_bytes - held_bytes - reserved_bytes
         # Leases end and downloads finish; pins stay until an operator removes them.
-        pinned = [a for a in self._index.values() if a.adapter_id in self._pins]
+        pinned = [a for a in self._index.values() if a.adapter_id in self.pins]
         pinned_bytes = sum(a.size_bytes for a in pinned)
         if size_bytes > room_bytes:
             raise CacheFull(
@@ -373,8 +386,8 @@ class AdapterStore:
         """Evict LRU adapters until the disk will hold `needed_bytes` above the free-space floor.
 
         An evicted folder frees its blocks only once it is deleted from `.trash/` (the caller
-        does that, through take_trash, before writing), so free space is counted as measured
-        plus what the victims hold. Nothing is evicted if even every candidate would not do.
+        awaits settle_trash() before writing), so free space is counted as measured plus what
+        the victims hold. Nothing is evicted if even every candidate would not do.
         """
         free = shutil.disk_usage(self.root).free - self.min_free_bytes
         victims: list[str] = []
@@ -397,9 +410,11 @@ class AdapterStore:
         for victim in victims:
             self._evict_now(victim, EvictReason.LRU)
 
-    def trim(self) -> list[Eviction]:
+    def _restore_budget(self) -> list[Eviction]:
         """Evict in eviction order until the cache is within its budget; the evicted folders
-        are deleted off the loop."""
+        are deleted off the loop. Called by every change that can free room or add bytes, in
+        the same loop step: no request sees the cache over budget with an adapter nothing
+        protects."""
         evicted = []
         while len(self._index) > self.max_adapters or self.total_bytes > self.max_bytes:
             victim = next(eviction_order(self._index, self.is_protected), None)
@@ -417,27 +432,25 @@ class AdapterStore:
         path.mkdir(mode=0o755)
         return path
 
-    def publish(self, staging: Path, record: AdapterRecord) -> CachedAdapter:
-        """Rename a complete, fsynced, validated staging folder into place and index it.
+    def admit(self, record: AdapterRecord, *, staging: Path | None = None) -> CachedAdapter:
+        """Index an adapter that passed validation (admission.py wrote its record), and trim.
 
-        The caller fsyncs the files and the staging folder first, and `adapters/` after.
+        A download (`staging`: complete, sealed and fsynced; the caller fsyncs `adapters/`
+        after) is renamed into place and is the most recently used; a folder someone else
+        copied into `adapters/` is taken where it lies, first to go.
         """
-        final = self.path_of(record.adapter_id)
-        if final.exists():
-            # Left by someone else (an operator copy the watcher has not seen yet): ours is
-            # validated; theirs goes to quarantine rather than being overwritten in place.
-            self.quarantine(final, "replaced by a fresh stage")
-        os.rename(staging, final)
-        adapter = CachedAdapter(record, last_used=self._clock(),
-                                pinned=record.adapter_id in self._pins)
-        self._index.add_newest(adapter)
-        return adapter
-
-    def adopt(self, record: AdapterRecord) -> CachedAdapter:
-        """Index a folder that appeared under `adapters/` and passed validation."""
-        adapter = CachedAdapter(record, last_used=self._clock(),
-                                pinned=record.adapter_id in self._pins)
-        self._index.add_oldest(adapter)
+        adapter = CachedAdapter(record, last_used=self._clock())
+        if staging is None:
+            self._index.add_oldest(adapter)
+        else:
+            final = self.path_of(record.adapter_id)
+            if final.exists():
+                # Left by someone else (an operator copy the watcher has not seen yet): ours
+                # is validated; theirs goes to quarantine rather than being overwritten.
+                self.quarantine(final, "replaced by a fresh stage")
+            os.rename(staging, final)
+            self._index.add_newest(adapter)
+        self._restore_budget()
         return adapter
 
     def evict(self, adapter_id: str, *, force: bool) -> Eviction:
@@ -445,7 +458,7 @@ class AdapterStore:
         if adapter_id not in self._index:
             raise NotCached(f"adapter {adapter_id} is not in the cache", adapter_id=adapter_id)
         leases = self._leases.ids_of(adapter_id)
-        pinned = adapter_id in self._pins
+        pinned = adapter_id in self.pins
         if (leases or pinned or adapter_id in self._claims) and not force:
             why = []
             if pinned:
@@ -502,7 +515,7 @@ class AdapterStore:
                               size_bytes=adapter.size_bytes, reason=reason.value,
                               age_s=round(age_s, 3)))
 
-    def take_trash(self) -> list[Path]:
+    def _take_trash(self) -> list[Path]:
         """Folders renamed into `.trash/` and not yet being deleted."""
         pending, self._trash_pending = self._trash_pending, []
         return pending
@@ -513,7 +526,7 @@ class AdapterStore:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return  # a blocking caller: settle_trash() or the next start deletes them
-        for folder in self.take_trash():
+        for folder in self._take_trash():
             task = loop.create_task(asyncio.to_thread(remove_tree, folder))
             self._deleting.add(task)
             task.add_done_callback(self._deleting.discard)
@@ -522,11 +535,18 @@ class AdapterStore:
         """Every evicted folder deleted: room made by evicting is free on disk only then, so a
         download waits for this before it writes (the bytes under the cache root stay within
         the budget)."""
-        pending = self.take_trash()
+        pending = self._take_trash()
         if pending:
             await asyncio.to_thread(_remove_all, pending)
         if self._deleting:
             await asyncio.gather(*list(self._deleting), return_exceptions=True)
+
+    async def close(self) -> None:
+        """At shutdown: every evicted folder deleted, the lease journal flushed and closed."""
+        await self.settle_trash()
+        journal, self._leases.lease_journal = self._leases.lease_journal, None
+        if journal is not None:
+            await asyncio.to_thread(journal.close)
 
 
 def _remove_all(folders: list[Path]) -> None:

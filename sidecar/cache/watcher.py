@@ -11,7 +11,6 @@ import asyncio
 import logging
 import math
 import os
-import shutil
 import stat
 import time
 from dataclasses import dataclass
@@ -32,17 +31,18 @@ from watchdog.events import (
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 
-from ..filehash import hash_fd
-from ..ids import is_valid_adapter_id
-from ..logs import fields
-from ..metrics import Metrics
-from ..validation.files import CHECKSUMS_FILE, WEIGHTS_FILE, listed, plan_folder
+from ..core.filehash import hash_fd
+from ..core.ids import is_valid_adapter_id
+from ..core.logs import fields
+from ..core.metrics import Metrics
+from ..validation.files import WEIGHTS_FILE, listed, plan_folder
 from ..validation.problem import Problem
 from ..validation.signatures import SignatureVerdict, verify_folder
 from ..validation.validate import Rules, judge_adapter
 from ..validation.values import ValueReport, ValueScan
+from .admission import Passed, admit_in_place
 from .lru import CachedAdapter
-from .records import RECORD_NAME, AdapterRecord, Check, FileRecord, SignatureRecord, write_record
+from .records import RECORD_NAME, FileRecord
 from .store import AdapterStore
 
 log = logging.getLogger(__name__)
@@ -286,28 +286,21 @@ class Watcher:
                 self._quarantine(adapter_id, folder, before, f"not valid: {reason}",
                                  inspection.problems)
                 return
-            checks = (Check.RULES, Check.VALUES, Check.SHA256SUMS) if (
-                CHECKSUMS_FILE in inspection.files) else (Check.RULES, Check.VALUES)
-            if inspection.signature.signed is not None:
-                checks = (*checks, Check.SIGNATURE)
-            record = AdapterRecord(adapter_id, ADOPTED_SOURCE, time.time(), inspection.files,
-                                   checks, SignatureRecord.of(inspection.signature))
             leave_out = frozenset(name.removesuffix("/") for name in inspection.ignored
                                   if name != RECORD_NAME)
             self._leaving_out[adapter_id] = leave_out
+            passed = Passed(adapter_id, ADOPTED_SOURCE, inspection.files, inspection.signature)
             try:
-                if not await asyncio.to_thread(_write_record_into, folder, before, record,
-                                               leave_out):
-                    return
+                record = await admit_in_place(
+                    store, folder, passed, validated=before, leave_out=leave_out,
+                    still_ours=lambda: self._changes.get(adapter_id, 0) == seen
+                    and self._unindexed(adapter_id, folder, before))
             except OSError as exc:
                 log.warning("cannot write the record of adapter folder %s, so it is not "
                             "adopted: %s", adapter_id, exc.strerror or exc)
                 return
-            if self._changes.get(adapter_id, 0) != seen or not self._unindexed(
-                adapter_id, folder, before
-            ):
+            if record is None:
                 return
-            store.adopt(record)
         finally:
             self._adopting.discard(adapter_id)
             self._leaving_out.pop(adapter_id, None)
@@ -319,7 +312,6 @@ class Watcher:
                  extra=fields(event="adopted", adapter_id=adapter_id,
                               size_bytes=record.size_bytes, duration_s=round(elapsed_s, 3),
                               ignored=list(inspection.ignored)))
-        store.trim()
 
     async def _inspect(self, adapter_id: str, folder: Path) -> _Inspection | None:
         """Hash and validate a folder (in threads), and check its signature by the digests
@@ -421,42 +413,3 @@ def _hash_file(path: Path, scan_values: bool) -> tuple[int, str, str, ValueRepor
     finally:
         os.close(fd)
     return digests.size_bytes, digests.crc32, digests.sha256, report
-
-
-def _write_record_into(folder: Path, expected: os.stat_result, record: AdapterRecord,
-                       leave_out: frozenset[str] = frozenset()) -> bool:
-    """Delete the entries left out, then write the record, into `folder` only if it is still
-    the folder that was validated.
-
-    Done through a descriptor of the folder: if the sidecar publishes its own copy of the id
-    meanwhile (moving this one to quarantine), both follow this folder, never touching the
-    published one.
-    """
-    try:
-        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError):
-        return False  # gone or replaced: its events have the folder judged again
-    try:
-        st = os.fstat(dir_fd)
-        if (st.st_dev, st.st_ino) != (expected.st_dev, expected.st_ino):
-            return False
-        for name in sorted(leave_out):
-            _delete_entry(name, dir_fd)
-        write_record(folder, record, dir_fd=dir_fd)
-        os.fsync(dir_fd)
-        return True
-    finally:
-        os.close(dir_fd)
-
-
-def _delete_entry(name: str, dir_fd: int) -> None:
-    """Delete one entry of the folder open as `dir_fd` (a sub-folder with all it holds), never
-    following a link."""
-    try:
-        mode = os.lstat(name, dir_fd=dir_fd).st_mode
-    except FileNotFoundError:
-        return
-    if stat.S_ISDIR(mode):
-        shutil.rmtree(name, dir_fd=dir_fd)
-    else:
-        os.unlink(name, dir_fd=dir_fd)

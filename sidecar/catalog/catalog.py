@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from ..cache.store import StoreListener
-from ..errors import CatalogPending
-from ..logs import fields
-from ..metrics import Metrics
+from ..core.errors import CatalogPending
+from ..core.logs import fields
+from ..core.metrics import Metrics
 from ..validation.validate import Rules, validate_adapter
 from . import disk
 from .disk import NoopAdapter
-from .generation import Entry, Generation, Journal
+from .generation import CatalogJournal, Entry, Generation
 from .name_state import WATCHED, NameEvent, NameState, Version
 from .read_watch import ReadWatch
 
@@ -77,7 +77,7 @@ class Catalog(StoreListener):
         self._spares_wanted = spares_wanted
         self._clock = clock
         self._wall = wall
-        self.journal = Journal()
+        self.catalog_journal = CatalogJournal()
         self.noop: NoopAdapter | None = None
         self.noop_from = ""  # where the no-op's shapes came from
         self.spares_off: str | None = None  # why spare names are off, when they are
@@ -102,10 +102,10 @@ class Catalog(StoreListener):
         return self.noop is not None and self.spares_off is None
 
     def current(self) -> Generation | None:
-        return self.journal.current_generation()
+        return self.catalog_journal.current_generation()
 
     def generation(self, number: int | None) -> Generation | None:
-        return self.journal.generations.get(number) if number is not None else None
+        return self.catalog_journal.generations.get(number) if number is not None else None
 
     def prepare(self) -> None:
         """Blocking. The no-op adapter from the base model's shapes (--base-model-config),
@@ -155,11 +155,11 @@ class Catalog(StoreListener):
         digest of the version of `id` on disk, or None). Folders of generations no journal
         names are deleted after the grace (an engine may still read them)."""
         try:
-            journal = disk.read_journal(self.root)
+            journal = disk.read_catalog_journal(self.root)
         except ValueError as exc:
             log.warning("catalog: the journal cannot be used (%s); a new generation is "
                         "rendered", exc)
-            journal = Journal()
+            journal = CatalogJournal()
         current = journal.current_generation()
         if current is not None:
             try:
@@ -170,8 +170,8 @@ class Catalog(StoreListener):
                     disk.generation_dir(self.root, current.number).is_dir()):
                 log.warning("catalog: %s is not generation %d of the journal; a new "
                             "generation is rendered", self.path.name, current.number)
-                journal = Journal()
-        self.journal = journal
+                journal = CatalogJournal()
+        self.catalog_journal = journal
         changes = [change for generation in journal.generations.values()
                    for change in self.repair(generation, on_disk)]
         grace_at = self._wall() + self._grace_s
@@ -179,7 +179,7 @@ class Catalog(StoreListener):
             self._orphans[number] = grace_at
         disk.remove_strays(self.root, keep=[*journal.generations, *self._orphans])
         if journal.generations:
-            disk.write_journal(self.root, disk.journal_bytes(journal))
+            disk.write_catalog_journal(self.root, disk.catalog_journal_bytes(journal))
         self.disk_bytes = disk.disk_bytes(self.root)
         carried = self.current()
         if carried is not None:
@@ -193,7 +193,7 @@ class Catalog(StoreListener):
             log.warning("catalog: %s: a direct call to vllm_model with a name at a no-op could "
                         "make the adapter it is given later answer like the base model",
                         self.reads.problem)
-        for generation in self.journal.generations.values():
+        for generation in self.catalog_journal.generations.values():
             for name in generation.in_state(*WATCHED):
                 self._watch(generation.number, name)
         if self.reads.fd is not None:
@@ -339,7 +339,7 @@ class Catalog(StoreListener):
     def serving_name(self, number: int, adapter_id: str, digest: str) -> str | None:
         """The name of this version in generation `number`, if it is bound (the hit path: two
         dict lookups)."""
-        generation = self.journal.generations.get(number)
+        generation = self.catalog_journal.generations.get(number)
         return generation.serving_name(adapter_id, digest) if generation is not None else None
 
     async def name(self, number: int, version: Version,
@@ -438,7 +438,7 @@ class Catalog(StoreListener):
         if not changed:
             self._park_all(adapter_id, "its adapter's folder was removed outside the sidecar")
             return
-        for generation in list(self.journal.generations.values()):
+        for generation in list(self.catalog_journal.generations.values()):
             name = generation.bound_name_of(adapter_id)
             if name is not None:
                 self._note(self._switch(generation, name, NameEvent.FAIL,
@@ -446,7 +446,7 @@ class Catalog(StoreListener):
         self.on_change()
 
     def _park_all(self, adapter_id: str, why: str) -> None:
-        for generation in list(self.journal.generations.values()):
+        for generation in list(self.catalog_journal.generations.values()):
             name = generation.bound_name_of(adapter_id)
             if name is not None:
                 self._note(self._switch(generation, name, NameEvent.LEAVE, why))
@@ -461,13 +461,13 @@ class Catalog(StoreListener):
         multi_lora.json last. `on_disk(id)` is the digest on disk now: a version that left
         while the folder was being made is parked before anything can name it."""
         async with self._lock:
-            number = max({*self.journal.generations, *disk.generation_numbers_on_disk(
+            number = max({*self.catalog_journal.generations, *disk.generation_numbers_on_disk(
                 self.root), *self._orphans}, default=0) + 1
             generation = Generation.render(number, versions, spares if self.spares_on else 0,
                                            self._wall())
             await asyncio.to_thread(disk.create_generation, self.root, generation, self.noop)
-            self.journal.generations[number] = generation
-            self.journal.current = number
+            self.catalog_journal.generations[number] = generation
+            self.catalog_journal.current = number
             for name, entry in list(generation.names.items()):
                 version = entry.version
                 if version is not None and on_disk(version.adapter_id) != version.digest:
@@ -484,7 +484,7 @@ class Catalog(StoreListener):
 
     async def mark_loaded(self, number: int) -> None:
         async with self._lock:
-            self.journal.loaded = number
+            self.catalog_journal.loaded = number
             await self._save()
 
     async def save_if_dirty(self) -> None:
@@ -495,16 +495,17 @@ class Catalog(StoreListener):
     async def _save(self) -> None:
         """Write the journal (the caller holds the lock)."""
         self.dirty = False
-        await asyncio.to_thread(disk.write_journal, self.root, disk.journal_bytes(self.journal))
+        await asyncio.to_thread(disk.write_catalog_journal, self.root,
+                                disk.catalog_journal_bytes(self.catalog_journal))
 
     def retire_times(self) -> list[float]:
-        times = [g.retire_at for g in self.journal.generations.values() if g.retire_at]
+        times = [g.retire_at for g in self.catalog_journal.generations.values() if g.retire_at]
         return [*times, *self._orphans.values()]
 
     async def retire(self, live: set[int]) -> None:
         """Mark generations not in `live` for deletion after the grace (an old engine finishing
         its requests may still read them); delete those past it."""
-        journal = self.journal
+        journal = self.catalog_journal
         now = self._wall()
         changed = False
         for generation in journal.generations.values():

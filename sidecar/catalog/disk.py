@@ -28,14 +28,14 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save
 
-from ..fsutil import fsync_dir
+from ..core.fsutil import fsync_dir
 from ..validation.shapes import ATTENTION_MODULES, ModelShapes
-from .generation import Generation, Journal
+from .generation import CatalogJournal, Generation
 from .name_state import NameState
 
 CATALOG_DIR = "catalog"
 CATALOG_FILE = "multi_lora.json"
-JOURNAL_FILE = "journal.json"
+CATALOG_JOURNAL_FILE = "journal.json"
 NAMES_DIR = "names"
 NOOP_DIR = "noop"
 SHARED_DIR = ".shared"
@@ -271,7 +271,7 @@ def remove_strays(root: Path, keep: Iterable[int]) -> list[str]:
     wanted = {f"g{n}" for n in keep}
     removed = []
     for entry in folder.iterdir():
-        if entry.name == JOURNAL_FILE or entry.name in wanted:
+        if entry.name == CATALOG_JOURNAL_FILE or entry.name in wanted:
             continue
         if entry.name.startswith(".") and entry.name.endswith(tuple("0123456789abcdef")):
             pass  # a temporary file or folder of an interrupted write
@@ -310,31 +310,32 @@ def disk_bytes(root: Path) -> int:
 # ---- the journal and multi_lora.json --------------------------------------------------------
 
 
-def read_journal(root: Path) -> Journal:
+def read_catalog_journal(root: Path) -> CatalogJournal:
     """The journal; an empty one when there is none. ValueError when it cannot be trusted."""
-    path = root / CATALOG_DIR / JOURNAL_FILE
+    path = root / CATALOG_DIR / CATALOG_JOURNAL_FILE
     try:
         with open(path, "rb") as f:
             raw = f.read(JOURNAL_MAX_BYTES + 1)
     except FileNotFoundError:
-        return Journal()
+        return CatalogJournal()
     if len(raw) > JOURNAL_MAX_BYTES:
         raise ValueError(f"{path} is larger than {JOURNAL_MAX_BYTES} bytes")
     try:
-        return Journal.from_json(json.loads(raw))
+        return CatalogJournal.from_json(json.loads(raw))
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{path}: {exc}") from None
 
 
-def journal_bytes(journal: Journal) -> bytes:
-    """The journal's text (on the loop: the caller writes it in a thread with write_journal)."""
+def catalog_journal_bytes(journal: CatalogJournal) -> bytes:
+    """The journal's text (on the loop: the caller writes it in a thread with
+    write_catalog_journal)."""
     return json.dumps(journal.to_json(), separators=(",", ":")).encode()
 
 
-def write_journal(root: Path, data: bytes) -> None:
+def write_catalog_journal(root: Path, data: bytes) -> None:
     folder = root / CATALOG_DIR
     folder.mkdir(exist_ok=True)
-    write_atomically(folder / JOURNAL_FILE, data)
+    write_atomically(folder / CATALOG_JOURNAL_FILE, data)
 
 
 def write_atomically(path: Path, data: bytes) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..ids import is_valid_adapter_id
+from ..core.ids import is_valid_adapter_id
 from .name_state import HELD, NameEvent, NameState, Version, next_state
 
 JOURNAL_FORMAT = 2
@@ -219,7 +219,7 @@ class Generation:
 
 
 @dataclass(slots=True)
-class Journal:
+class CatalogJournal:
     """Every generation whose folder exists, the one multi_lora.json holds (`current`), and
     the last one Triton confirmed it loaded (`loaded`)."""
 
@@ -237,7 +237,7 @@ class Journal:
         }
 
     @classmethod
-    def from_json(cls, data: object) -> Journal:
+    def from_json(cls, data: object) -> CatalogJournal:
         if not isinstance(data, dict) or data.get("format") != JOURNAL_FORMAT:
             raise ValueError("not a journal of a known format")
         generations = {int(n): Generation.from_json(int(n), g)

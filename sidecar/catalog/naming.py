@@ -1,6 +1,6 @@
-"""The name a request must send vLLM for a staged adapter: the one use case that joins what the
-engine serves (reloads.py) and the names kept for it (catalog.py), for POST /stage and the
-tests alike. Also the cache as the catalog sees it (`StoreView`: versions on disk).
+"""POST /stage's use case, for the HTTP API and the tests alike: stage an adapter, then the name
+a request must send vLLM for it, which joins what the engine serves (reloads.py) and the names
+kept for it (catalog.py). Also the cache as the catalog sees it (`StoreView`: versions on disk).
 """
 
 from __future__ import annotations
@@ -8,14 +8,17 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..cache.lru import CachedAdapter
+from ..cache.stager import Stager, StageResult
 from ..cache.store import AdapterStore
-from ..fsutil import iso_utc
-from ..logs import fields
-from ..metrics import Metrics
+from ..core.errors import SidecarError
+from ..core.fsutil import iso_utc
+from ..core.logs import fields
+from ..core.metrics import Metrics
 from ..validation.safetensors_check import check_safetensors
 from .catalog import Catalog, NoNameLeft
 from .disk import WEIGHTS_FILE, NoopAdapter
@@ -66,18 +69,40 @@ def version_of(adapter: CachedAdapter) -> Version:
     return Version(adapter.adapter_id, adapter.record.content_digest)
 
 
-class Naming:
-    """`lora_name(adapter)` for POST /stage; `status()` for GET /catalog."""
+@dataclass(frozen=True, slots=True)
+class Named:
+    """A staged adapter, and the name vLLM knows it by."""
 
-    def __init__(self, catalog: Catalog, reloads: Reloads, store: AdapterStore,
+    staged: StageResult
+    lora_name: str
+
+
+class Naming:
+    """`stage()` for POST /stage; `status()` for GET /catalog."""
+
+    def __init__(self, catalog: Catalog, reloads: Reloads, stager: Stager, store: AdapterStore,
                  metrics: Metrics, wall: Callable[[], float] = time.time) -> None:
         self.catalog = catalog
         self.reloads = reloads
+        self._stager = stager
         self._store = store
         self._metrics = metrics
         self._wall = wall
         # adapter id -> (the digest named before, the digest now, when it was seen, unix)
         self._replaced: dict[str, tuple[str, str, float]] = {}
+
+    async def stage(self, adapter_id: str, *, timeout_s: float, lease: bool = True) -> Named:
+        """Stage an adapter (leased unless `lease` is false), then name it. Named after staging,
+        so an unknown or invalid adapter says so first and a name is given only to an adapter
+        validated and published; when no name can be given yet (CatalogPending,
+        CatalogReloading) the lease is released before the error is raised."""
+        staged = await self._stager.stage(adapter_id, timeout_s=timeout_s, lease=lease)
+        try:
+            return Named(staged, await self.lora_name(staged.adapter))
+        except SidecarError:
+            if staged.lease is not None:
+                self._store.release(staged.lease.lease_id)
+            raise
 
     async def lora_name(self, adapter: CachedAdapter) -> str:
         """The name to send vLLM for a staged adapter. CatalogPending or CatalogReloading

@@ -20,10 +20,10 @@ from enum import Enum
 from typing import Any, Protocol
 
 from ..config import Settings, TritonReload
-from ..errors import CatalogPending, CatalogReloading
-from ..fsutil import iso_utc
-from ..logs import fields
-from ..metrics import Metrics
+from ..core.errors import CatalogPending, CatalogReloading
+from ..core.fsutil import iso_utc
+from ..core.logs import fields
+from ..core.metrics import Metrics
 from .catalog import Catalog
 from .disk import NoopAdapter
 from .engine_state import EngineState, EngineTracker, LoadKind, LoadOutcome, Probe, Transition
@@ -172,7 +172,7 @@ class Reloads:
     def naming_generation(self) -> Generation:
         """The generation whose names requests use now: the one the serving engine loaded,
         or without reloads the one rendered. CatalogPending/CatalogReloading when none."""
-        journal = self.catalog.journal
+        journal = self.catalog.catalog_journal
         if not self.reloads:
             number = journal.current
         else:
@@ -430,7 +430,7 @@ class Reloads:
             elif self._compaction_in_s() == 0.0:
                 plan, self._plan = self._plan, None
                 await self._render_safely(plan.reason if plan else None)
-            journal = catalog.journal
+            journal = catalog.catalog_journal
             live = {journal.current} if not self.reloads else {journal.current, journal.loaded}
             await catalog.retire({n for n in live if n is not None})
             self._update_gauges()
@@ -441,7 +441,7 @@ class Reloads:
         if not self.reloads or self.tracker.state not in (EngineState.SERVING,
                                                           EngineState.SUSPECT):
             return None
-        current = self.catalog.journal.current
+        current = self.catalog.catalog_journal.current
         if current is None or current == self.tracker.loaded:
             return None
         return max(self._rate_limit_until() - self._clock(), 0.0)
@@ -449,7 +449,7 @@ class Reloads:
     async def _reload_if_due(self) -> None:
         tracker = self.tracker
         state = tracker.state
-        journal = self.catalog.journal
+        journal = self.catalog.catalog_journal
         if state is EngineState.UNCONFIRMED:
             if journal.current is not None and journal.loaded == journal.current:
                 tracker.confirm(journal.current)
@@ -665,7 +665,7 @@ class Reloads:
             "next_compaction": self._plan_view(),
             "compaction_window": window.text if window else None,
             "generations": [catalog.generation_view(g) for g in sorted(
-                catalog.journal.generations.values(), key=lambda g: g.number)],
+                catalog.catalog_journal.generations.values(), key=lambda g: g.number)],
         }
         triton: dict[str, Any] = {
             "url": self._settings.triton_url,
@@ -679,8 +679,8 @@ class Reloads:
                 "loaded_generation": tracker.loaded,
                 "serving_generation": tracker.serving(),
                 "reloading": tracker.state is EngineState.LOADING,
-                "pending": (catalog.journal.current
-                            if catalog.journal.current != tracker.loaded else None),
+                "pending": (catalog.catalog_journal.current
+                            if catalog.catalog_journal.current != tracker.loaded else None),
                 "next_reload_in_s": self._reload_in_s(),
                 "last_reload_at": iso_utc(self._last_reload_at) if self._last_reload_at
                 else None,

@@ -12,7 +12,7 @@ from urllib.parse import quote
 
 import aiohttp
 
-from ..config import hide_password
+from ..core.net import hide_password
 from .engine_state import Probe
 
 # A vLLM engine can take minutes to load (weights, CUDA graphs); Triton answers the load

@@ -1,4 +1,4 @@
-"""The registry contract: what every registry kind lists and fetches (`AdapterSource`), the
+"""The registry contract: what every registry kind lists and fetches (`AdapterRegistry`), the
 values it hands over, and the rules shared by every kind (file names, skipped folders).
 """
 
@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from ..fsutil import EntryKind
-from ..ids import ADAPTER_ID_PATTERN
-from ..logs import fields
+from ..core.errors import SidecarError
+from ..core.fsutil import EntryKind
+from ..core.ids import ADAPTER_ID_PATTERN
+from ..core.logs import fields
 from .transfer import Inspector
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class Listing:
                 tuple(sorted((e.path, str(e.kind)) for e in self.others)))
 
 
-class AdapterSource(Protocol):
+class AdapterRegistry(Protocol):
     description: str
 
     async def list_adapter_ids(self) -> list[str]: ...
@@ -91,6 +92,12 @@ class AdapterSource(Protocol):
 
     async def probe(self) -> None:
         """Raise a SidecarError if the registry cannot be used right now."""
+        ...
+
+    def makes_unready(self, error: SidecarError) -> bool:
+        """Whether a failure means this registry cannot be used now (the sidecar is not ready
+        until a call succeeds again), rather than a fault of one adapter. Each kind knows what
+        its errors mean."""
         ...
 
     async def open(self) -> None:

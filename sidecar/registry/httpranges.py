@@ -5,7 +5,7 @@ transfer itself. The connections are urllib3's (shared by the worker threads, on
 host, through the proxy the environment names, never for loopback): it drops a pooled
 connection the server closed while it idled, and retries a request whose reused connection
 died under it. Each body is read straight from the response into the download's reused
-buffer. Listing, HEAD and signing stay with botocore in `source.py`.
+buffer. Listing, HEAD and signing stay with botocore in `s3_client.py`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from urllib3.exceptions import (
 )
 from urllib3.util.retry import Retry
 
-from ..errors import SidecarError, SourceChanged, SourceError, SourceUnavailable
+from ..core.errors import RegistryError, RegistryObjectChanged, RegistryUnavailable, SidecarError
 from .proxies import proxy_for
 from .s3errors import s3_cause
 
@@ -196,7 +196,7 @@ class RangeReader:
         if (response.length_remaining != end - start or match is None
                 or int(match.group(1)) != start or total != str(self._size_bytes)):
             _discard(response)
-            raise SourceChanged(
+            raise RegistryObjectChanged(
                 f"{self._describe}: the registry answered bytes "
                 f"{response.headers.get('Content-Range')} for {start}-{end - 1} of "
                 f"{self._size_bytes}; the object changed",
@@ -210,15 +210,16 @@ class RangeReader:
         where = f"{self._describe} ({code or status})"
         cause = s3_cause(status, code, message)
         if cause == "object_changed" and (status != 404 or code == "NoSuchKey"):
-            return SourceChanged(f"{where} changed or vanished in the registry while it was "
-                                 "being fetched", adapter_id=self._adapter_id,
-                                 cause="object_changed")
+            return RegistryObjectChanged(
+                f"{where} changed or vanished in the registry while it was being fetched",
+                adapter_id=self._adapter_id, cause="object_changed")
         if cause in ("object_changed", "bucket"):  # a 404 naming its code
-            return SourceChanged(f"{where} vanished from the registry while it was being "
-                                 "fetched", adapter_id=self._adapter_id, cause="object_changed")
+            return RegistryObjectChanged(
+                f"{where} vanished from the registry while it was being fetched",
+                adapter_id=self._adapter_id, cause="object_changed")
         if cause == "server":
-            return SourceUnavailable(f"the registry failed on {where}",
-                                     adapter_id=self._adapter_id, cause=cause)
+            return RegistryUnavailable(f"the registry failed on {where}",
+                                       adapter_id=self._adapter_id, cause=cause)
         again = " although it was just signed again" if after_resign else ""
         refusals = {
             "not_s3": f"the endpoint answered 404 without an S3 error to a GET of "
@@ -235,7 +236,7 @@ class RangeReader:
                           "bucket",
             "refused": f"the registry refused a ranged GET of {where}",
         }
-        return SourceError(refusals[cause], adapter_id=self._adapter_id, cause=cause)
+        return RegistryError(refusals[cause], adapter_id=self._adapter_id, cause=cause)
 
     def fault(self, exc: BaseException) -> SidecarError:
         """The registry fault that an error of the connection or the HTTP layer means."""
@@ -245,28 +246,28 @@ class RangeReader:
         if isinstance(exc, ProtocolError) and len(exc.args) > 1:
             exc = exc.args[1] if isinstance(exc.args[1], BaseException) else exc
         if isinstance(exc, ProxyError):
-            return SourceUnavailable(f"the HTTP proxy failed on {self._describe} ({exc}); "
-                                     "check http_proxy/https_proxy and no_proxy",
-                                     adapter_id=self._adapter_id, cause="proxy")
+            return RegistryUnavailable(f"the HTTP proxy failed on {self._describe} ({exc}); "
+                                       "check http_proxy/https_proxy and no_proxy",
+                                       adapter_id=self._adapter_id, cause="proxy")
         # Before the timeouts: urllib3's NewConnectionError (refused, unresolved) is one.
         if isinstance(exc, NewConnectionError | ConnectionRefusedError | socket.gaierror):
-            return SourceUnavailable(f"cannot connect to the registry endpoint for "
-                                     f"{self._describe}: {exc}",
-                                     adapter_id=self._adapter_id, cause="endpoint")
+            return RegistryUnavailable(f"cannot connect to the registry endpoint for "
+                                       f"{self._describe}: {exc}",
+                                       adapter_id=self._adapter_id, cause="endpoint")
         if isinstance(exc, TimeoutError | ReadTimeoutError | ConnectTimeoutError):
-            return SourceUnavailable(f"the registry did not answer in time for "
-                                     f"{self._describe}", adapter_id=self._adapter_id,
-                                     cause="timeout")
+            return RegistryUnavailable(f"the registry did not answer in time for "
+                                       f"{self._describe}", adapter_id=self._adapter_id,
+                                       cause="timeout")
         if isinstance(exc, http.client.IncompleteRead):
-            return SourceUnavailable(f"the registry sent a body shorter than its Content-Length "
-                                     f"for {self._describe}", adapter_id=self._adapter_id,
-                                     cause="short_body")
+            return RegistryUnavailable(f"the registry sent a body shorter than its Content-Length "
+                                       f"for {self._describe}", adapter_id=self._adapter_id,
+                                       cause="short_body")
         if isinstance(exc, SSLError):
-            return SourceUnavailable(f"TLS failed with the registry for {self._describe}: "
-                                     f"{exc}", adapter_id=self._adapter_id, cause="tls")
-        return SourceUnavailable(f"the connection to the registry failed while fetching "
-                                 f"{self._describe} ({type(exc).__name__}: {exc})",
-                                 adapter_id=self._adapter_id, cause="connection")
+            return RegistryUnavailable(f"TLS failed with the registry for {self._describe}: "
+                                       f"{exc}", adapter_id=self._adapter_id, cause="tls")
+        return RegistryUnavailable(f"the connection to the registry failed while fetching "
+                                   f"{self._describe} ({type(exc).__name__}: {exc})",
+                                   adapter_id=self._adapter_id, cause="connection")
 
 
 def _error_of(response: urllib3.BaseHTTPResponse) -> tuple[str, str]:

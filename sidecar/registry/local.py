@@ -13,24 +13,25 @@ import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from ..errors import AdapterNotFound, SourceChanged, SourceUnavailable
-from ..fsutil import EntryKind, entry_kind
-from ..ids import is_valid_adapter_id
+from ..core.errors import (
+    AdapterNotFound,
+    RegistryObjectChanged,
+    RegistryUnavailable,
+    SidecarError,
+)
+from ..core.fsutil import EntryKind, entry_kind
+from ..core.ids import is_valid_adapter_id
 from .base import Entry, FetchedFile, Listing, RemoteFile, SkippedFolders, is_safe_file_name
 from .checksum import crc32_hex
 from .transfer import Inspector, TransferPolicy, download, open_in_thread
-
-if TYPE_CHECKING:
-    from ..config import Settings
 
 log = logging.getLogger(__name__)
 
 LOCATION = "a local folder"
 
 
-class LocalSource:
+class LocalRegistry:
     def __init__(self, root: Path, policy: TransferPolicy,
                  on_skipped: Callable[[int], None] | None = None) -> None:
         self.root = root
@@ -46,9 +47,12 @@ class LocalSource:
 
     async def probe(self) -> None:
         if not await asyncio.to_thread(self.root.is_dir):
-            raise SourceUnavailable(
+            raise RegistryUnavailable(
                 f"the registry folder {self.root} does not exist", cause="missing_folder"
             )
+
+    def makes_unready(self, error: SidecarError) -> bool:
+        return isinstance(error, RegistryUnavailable)
 
     async def list_adapter_ids(self) -> list[str]:
         await self.probe()
@@ -116,14 +120,14 @@ class LocalSource:
             fd = await open_in_thread(self._policy.executor, file.locator,
                                       os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
-            raise SourceChanged(
+            raise RegistryObjectChanged(
                 f"{file.locator} vanished or became a link before it was copied ({exc.strerror})",
                 adapter_id=adapter_id, cause="object_changed",
             ) from exc
         try:
             st = os.fstat(fd)
             if f"{st.st_mtime_ns}-{st.st_size}" != file.etag:
-                raise SourceChanged(
+                raise RegistryObjectChanged(
                     f"{file.locator} changed between listing and copy", adapter_id=adapter_id,
                     cause="object_changed",
                 )
@@ -154,12 +158,12 @@ class _FileRange:
         try:
             got = os.preadv(self._fd, [buffer[:want]], self._offset)
         except OSError as exc:  # an I/O error of the registry's disk: retried per part
-            raise SourceUnavailable(f"cannot read {self._locator} in the registry folder: "
-                                    f"{exc.strerror or exc}", adapter_id=self._adapter_id,
-                                    cause="read_error") from exc
+            raise RegistryUnavailable(f"cannot read {self._locator} in the registry folder: "
+                                      f"{exc.strerror or exc}", adapter_id=self._adapter_id,
+                                      cause="read_error") from exc
         if got == 0:
-            raise SourceChanged(f"{self._locator} shrank while it was copied",
-                                adapter_id=self._adapter_id, cause="object_changed")
+            raise RegistryObjectChanged(f"{self._locator} shrank while it was copied",
+                                        adapter_id=self._adapter_id, cause="object_changed")
         self._offset += got
         return got
 
@@ -171,9 +175,32 @@ class _FileRange:
 
 
 def check_location(location: str) -> None:
-    """Any path may name a folder; whether it exists is judged at start (preflight.py)."""
+    """Any path may name a folder; whether it exists is judged at start (folder_problem)."""
 
 
-def open_source(settings: Settings, policy: TransferPolicy, on_error: Callable[[str], None],
-                on_skipped: Callable[[int], None]) -> LocalSource:
-    return LocalSource(Path(settings.registry).expanduser().absolute(), policy, on_skipped)
+def open_registry(location: str, options: object, policy: TransferPolicy,
+                  on_error: Callable[[str], None],
+                  on_skipped: Callable[[int], None]) -> LocalRegistry:
+    return LocalRegistry(Path(location).expanduser().absolute(), policy, on_skipped)
+
+
+def folder_problem(location: str) -> str | None:
+    """Why a folder cannot be the registry (it does not exist, is not a folder, cannot be
+    read), or None. Blocking. An I/O error that may pass (a network file system that blinks) is
+    logged, not a problem: readiness reports it if it lasts."""
+    folder = Path(location).expanduser().absolute()
+    try:
+        with os.scandir(folder) as entries:
+            next(entries, None)
+    except FileNotFoundError:
+        return (f"the folder {folder} does not exist; create it (`lora-sidecar examples "
+                f"{location}` writes two example adapters into it), or name an existing folder "
+                "or s3://bucket/prefix")
+    except NotADirectoryError:
+        return f"{folder} is not a folder (one sub-folder per adapter is expected)"
+    except PermissionError:
+        return f"the folder {folder} cannot be read (permission denied)"
+    except OSError as exc:
+        log.warning("cannot read the registry folder %s at start (%s); starting anyway",
+                    folder, exc.strerror or exc)
+    return None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import urllib.parse
 import urllib.request
 
-from ..config import is_loopback
+from ..core.net import is_loopback
 
 
 def is_loopback_host(host: str) -> bool:

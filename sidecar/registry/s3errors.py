@@ -1,6 +1,7 @@
 """What an S3 error answer means: one ladder from (HTTP status, S3 error code, message) to the
-`cause` of the sidecar's error, shared by the S3 client calls (s3.py) and the ranged GETs of
-the bytes (httpranges.py). Each caller words the error for what it was doing.
+`cause` of the sidecar's error, shared by the S3 client calls (s3_client.py) and the ranged GETs
+of the bytes (httpranges.py), and which causes mean the registry is not ready. Each caller words
+the error for what it was doing.
 """
 
 from __future__ import annotations
@@ -9,6 +10,10 @@ from __future__ import annotations
 # X-Amz-Expires, or short-lived credentials from STS or IRSA): signing again is the cure.
 EXPIRED_CODES = ("ExpiredToken", "TokenRefreshRequired", "RequestExpired")
 CREDENTIAL_CODES = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken")
+# Refusals every call would get, whatever the adapter: the sidecar is not ready (readiness
+# names the cause) until a call to the registry succeeds again.
+NOT_READY_CAUSES = frozenset(
+    ("credentials", "credentials_expired", "clock", "permission", "bucket", "not_s3"))
 
 
 def s3_cause(status: int, code: str, message: str = "", *, head: bool = False) -> str:

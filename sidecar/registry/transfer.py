@@ -2,7 +2,7 @@
 writes, a CRC-32 of each part computed from the bytes as they land (combined into the file's),
 SHA-256 in order alongside when the registry has one to compare, retries per part.
 
-Knows nothing of S3: the source hands in `open_range`, which opens one ranged read. The bytes
+Knows nothing of S3: the registry hands in `open_range`, which opens one ranged read. The bytes
 move in worker threads (socket -> buffer -> file, the GIL released in each system call), so
 the event loop only schedules them.
 """
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from ..errors import SidecarError, SourceUnavailable
+from ..core.errors import RegistryUnavailable, SidecarError
 from .checksum import crc32_combine
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ class RangeStream(Protocol):
     """The body of one ranged read, read from one worker thread at a time (blocking)."""
 
     def readinto(self, buffer: memoryview) -> int:
-        """Bytes read into `buffer`; 0 once the body has ended. Raises SourceUnavailable for
+        """Bytes read into `buffer`; 0 once the body has ended. Raises RegistryUnavailable for
         a transient fault."""
         ...
 
@@ -51,7 +51,7 @@ class RangeStream(Protocol):
 
 OpenRange = Callable[[int, int], RangeStream]
 """open_range(start, end) starts reading the object's bytes [start, end); blocking, run in a
-worker thread. Raises SourceUnavailable for transient faults (retried here unless marked not
+worker thread. Raises RegistryUnavailable for transient faults (retried here unless marked not
 retryable) and other SidecarErrors for final ones."""
 
 CHUNK_BYTES = 1024 * 1024  # read into one buffer, then one pwrite: few system calls, small RAM
@@ -62,12 +62,13 @@ HASH_CHUNK_BYTES = 4 * 1024 * 1024
 MIN_SPLIT_PART_BYTES = 2 * 1024 * 1024
 BACKOFF_BASE_S = 0.2
 BACKOFF_CAP_S = 5.0
+DEFAULT_ATTEMPTS = 5  # per part, for a registry kind without a setting of its own (a folder)
 
 
 @dataclass(frozen=True, slots=True)
 class TransferPolicy:
     part_size_bytes: int
-    attempts: int
+    attempts: int  # per part; each kind may set its own (S3: --s3-max-attempts)
     limiter: asyncio.Semaphore  # shared by every download of the process
     concurrency: int = 1  # the limiter's size: how many parts can stream at once
     # Threads that block on the network: the loop's default pool (a few threads on a small
@@ -321,7 +322,7 @@ async def _fetch_part(
         try:
             async with policy.limiter:
                 await _stream_part(open_range, fd, part, progress, threads, on_bytes, inspect)
-        except SourceUnavailable as exc:
+        except RegistryUnavailable as exc:
             if attempt >= policy.attempts or not exc.retryable:
                 raise
             delay = backoff_s(attempt)
@@ -367,7 +368,7 @@ async def _stream_part(
         if error is not None:
             raise error
         if reached < end:
-            raise SourceUnavailable(
+            raise RegistryUnavailable(
                 f"the registry ended a range {end - reached} bytes short", cause="short_body"
             )
     except BaseException:

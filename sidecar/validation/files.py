@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from ..fsutil import EntryKind, entry_kind
+from ..core.fsutil import EntryKind, entry_kind
 from .problem import Problem
 from .safetensors_check import shown
 

@@ -20,7 +20,7 @@ from model_signing._signing import sign_certificate, sign_ec_key, sign_sigstore_
 from model_signing._signing import signing as oms
 from OpenSSL import crypto
 
-from ..filehash import hash_file
+from ..core.filehash import hash_file
 from .files import SIGNATURE_FILE, FileRole, classify, plan_folder
 from .problem import Problem
 from .safetensors_check import shown

@@ -20,7 +20,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from ..ids import is_valid_adapter_id
+from ..core.ids import is_valid_adapter_id
 
 POLICY_MAX_BYTES = 1024 * 1024
 # The curves OMS (model_signing) signs and verifies with.

@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
-from ..config import LLAMA_TARGET_MODULES, Settings
-from ..errors import ConfigError
-from ..filehash import hash_file, open_regular
+from ..core.errors import ConfigError
+from ..core.filehash import hash_file, open_regular
 from .adapter_config import LoraConfig, check_adapter_config
 from .files import (
     CHECKSUMS_FILE,
@@ -31,6 +30,7 @@ from .files import (
     listed,
     plan_folder,
 )
+from .options import LLAMA_TARGET_MODULES, ValidationOptions
 from .problem import Problem
 from .safetensors_check import TensorInfo, check_safetensors, shown
 from .shapes import ATTENTION_MODULES, ModelShapes
@@ -60,7 +60,7 @@ class Rules:
     signing: SigningPolicy = NO_POLICY  # from --signing-policy
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Rules:
+    def from_settings(cls, settings: ValidationOptions) -> Rules:
         problems = []
         shapes = None
         if settings.base_model_config is not None:

@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import web
+from prometheus_client.aiohttp import make_aiohttp_handler
 
 from ..cache.lru import CachedAdapter
-from ..cache.stager import Stager, StageResult, check_adapter_id
+from ..cache.stager import Stager
 from ..cache.store import AdapterStore
+from ..catalog.naming import Named
 from ..config import Settings
-from ..errors import (
+from ..core.errors import (
     AdapterInUse,
     AdapterNotFound,
     BadRequest,
@@ -33,15 +35,16 @@ from ..errors import (
     LeaseNotFound,
     NotCached,
     NotReady,
+    RegistryError,
+    RegistryObjectChanged,
+    RegistryUnavailable,
     SidecarError,
-    SourceChanged,
-    SourceError,
-    SourceUnavailable,
     StageTimeout,
     Unauthorized,
 )
-from ..fsutil import iso_utc
-from ..metrics import CONTENT_TYPE, Metrics
+from ..core.fsutil import iso_utc
+from ..core.ids import check_adapter_id
+from ..core.metrics import CONTENT_TYPE, Metrics
 from .epp import EppExporter
 
 log = logging.getLogger(__name__)
@@ -56,9 +59,9 @@ STATUS: dict[type[SidecarError], int] = {
     AdapterInUse: 409,
     CatalogDisabled: 409,
     InvalidAdapter: 422,
-    SourceChanged: 502,
-    SourceError: 502,
-    SourceUnavailable: 503,
+    RegistryObjectChanged: 502,
+    RegistryError: 502,
+    RegistryUnavailable: 503,
     CatalogPending: 503,
     CatalogReloading: 503,
     CacheUnwritable: 503,
@@ -91,18 +94,20 @@ class Readiness(Protocol):
     def problems(self) -> list[str]: ...
 
 
-class RegistryStatus(Protocol):
+class RegistryListingView(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
 class CatalogView(Protocol):
     def status(self) -> dict[str, Any]: ...
 
-    async def lora_name(self, adapter: CachedAdapter) -> str: ...
-
     def request_compaction(self) -> dict[str, Any]: ...
 
     def replaced(self, adapter_id: str) -> dict[str, Any] | None: ...
+
+
+class StageAndName(Protocol):
+    async def stage(self, adapter_id: str, *, timeout_s: float, lease: bool) -> Named: ...
 
 
 @dataclass(slots=True)
@@ -110,18 +115,22 @@ class Services:
     settings: Settings
     store: AdapterStore
     stager: Stager
+    naming: StageAndName  # POST /stage's use case (catalog/naming.py)
     metrics: Metrics
     readiness: Readiness
     catalog: CatalogView | None = None
     recovered: asyncio.Event | None = None  # None: nothing to recover (set up in tests)
-    on_unpin: Callable[[str], bool] | None = None  # unpins pins still pending, too
     epp: EppExporter | None = None  # /metrics/epp, when --epp-metrics is on
-    registry: RegistryStatus | None = None  # the registry's last listing, shown by /catalog
+    registry_listing: RegistryListingView | None = None  # the last listing, shown by /catalog
     triton_adapters_prefix: str = field(init=False)
     local_adapters_prefix: str = field(init=False)
     stage_fragments: dict[str, tuple[CachedAdapter, str]] = field(init=False, default_factory=dict)
+    metrics_handler: Handler = field(init=False)
 
     def __post_init__(self) -> None:
+        # GET /metrics: prometheus_client's own handler, in the format the scraper asks for.
+        self.metrics_handler = make_aiohttp_handler(self.metrics.metrics_registry,
+                                                    disable_compression=True)
         self.triton_adapters_prefix = f"{self.settings.triton_root / 'adapters'}/"
         self.local_adapters_prefix = f"{self.store.adapters_dir}/"
 
@@ -244,7 +253,7 @@ def adapter_view(services: Services, adapter: CachedAdapter) -> dict[str, Any]:
         "size_bytes": adapter.size_bytes,
         "staged_at": iso_utc(adapter.record.staged_at),
         "last_used": iso_utc(adapter.last_used),
-        "pinned": adapter.pinned,
+        "pinned": store.is_pinned(adapter.adapter_id),
         "leases": store.lease_count(adapter.adapter_id),
         "source": adapter.record.source,
         "content_digest": adapter.record.content_digest,
@@ -256,9 +265,10 @@ def adapter_view(services: Services, adapter: CachedAdapter) -> dict[str, Any]:
     }
 
 
-def _stage_json(services: Services, result: StageResult, lora_name: str) -> str:
+def _stage_json(services: Services, named: Named) -> str:
     """The /stage answer: the fields that do not change are encoded once per published
     adapter, only the lease each time (hit path)."""
+    result, lora_name = named.staged, named.lora_name
     adapter = result.adapter
     cached = services.stage_fragments.get(adapter.adapter_id)
     if cached is None or cached[0] is not adapter:  # a restaged adapter is a new object
@@ -296,22 +306,9 @@ async def stage(request: web.Request) -> web.Response:
     body = await _body(request, "stage")
     adapter_id = check_adapter_id(body["adapter_id"])
     await _recovered(services, _stage_timeout(services, body))
-    result = await services.stager.stage(
-        adapter_id, timeout_s=_stage_timeout(services, body), lease=body.get("lease", True)
-    )
-    lora_name = adapter_id
-    if services.catalog is not None:
-        # After staging, so an unknown or invalid adapter says so first, and a name is given
-        # only to an adapter validated and published.
-        try:
-            lora_name = await services.catalog.lora_name(result.adapter)
-        except SidecarError:
-            if result.lease is not None:
-                services.store.release(result.lease.lease_id)
-                services.store.trim()
-            raise
-    return web.Response(text=_stage_json(services, result, lora_name),
-                        content_type="application/json")
+    named = await services.naming.stage(
+        adapter_id, timeout_s=_stage_timeout(services, body), lease=body.get("lease", True))
+    return web.Response(text=_stage_json(services, named), content_type="application/json")
 
 
 async def release(request: web.Request) -> web.Response:
@@ -319,7 +316,6 @@ async def release(request: web.Request) -> web.Response:
     body = await _body(request, "release")
     await _recovered(services)
     lease = services.store.release(body["lease_id"])
-    services.store.trim()
     return web.json_response({"released": True, "adapter_id": lease.adapter_id})
 
 
@@ -355,17 +351,7 @@ async def pin(request: web.Request) -> web.Response:
     body = await _body(request, "pin")
     adapter_id = check_adapter_id(body["adapter_id"])
     await _recovered(services, _stage_timeout(services, body))
-    store = services.store
-    if not store.is_pinned(adapter_id):
-        pinned = sum(1 for a in store.adapters() if a.pinned)
-        if pinned >= store.max_adapters:
-            raise CacheFull(f"cannot pin {adapter_id}: {pinned} adapters are pinned already and "
-                            f"the budget is {store.max_adapters}", adapter_id=adapter_id)
-    result = await services.stager.stage(
-        adapter_id, timeout_s=_stage_timeout(services, body), lease=False
-    )
-    store.pin(adapter_id)  # no await since the stage returned: it is still cached
-    log.info("pinned adapter_id=%s", adapter_id)
+    result = await services.stager.pin(adapter_id, timeout_s=_stage_timeout(services, body))
     return web.json_response(adapter_view(services, result.adapter))
 
 
@@ -375,11 +361,9 @@ async def unpin(request: web.Request) -> web.Response:
     body = await _body(request, "unpin")
     adapter_id = check_adapter_id(body["adapter_id"])
     await _recovered(services)
-    unpin = services.on_unpin or services.store.unpin
-    was_pinned = unpin(adapter_id)
+    was_pinned = services.store.unpin(adapter_id)
     if was_pinned:
         log.info("unpinned adapter_id=%s", adapter_id)
-        services.store.trim()
     return web.json_response({"adapter_id": adapter_id, "was_pinned": was_pinned})
 
 
@@ -425,7 +409,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.StreamResponse:
-    return await _services(request).metrics.handler(request)
+    return await _services(request).metrics_handler(request)
 
 
 async def metrics_epp(request: web.Request) -> web.Response:
@@ -439,8 +423,8 @@ async def catalog(request: web.Request) -> web.Response:
     services = _services(request)
     body: dict[str, Any] = ({"enabled": False} if services.catalog is None
                             else services.catalog.status())
-    if services.registry is not None:
-        body["registry"] = services.registry.status()
+    if services.registry_listing is not None:
+        body["registry"] = services.registry_listing.status()
     return web.json_response(body)
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.examples import write_adapter
+from sidecar.process.examples import write_adapter
 from tests.compose_up.docker import (
     IMAGE_PREFIX,
     REPO_ROOT,

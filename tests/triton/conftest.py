@@ -16,7 +16,7 @@ import pytest
 import tritonclient.grpc as grpcsync
 import tritonclient.grpc.aio as grpcclient
 
-from sidecar.app import Sidecar
+from sidecar.process.app import Sidecar
 from sidecar.validation.shapes import TINY_LLAMA
 from tests.conftest import S3Registry, StartSidecar, s3_settings
 from tests.recording_proxy import RecordingProxy

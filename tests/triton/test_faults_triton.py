@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 import tritonclient.grpc.aio as grpcclient
 
-from sidecar.app import Sidecar
+from sidecar.process.app import Sidecar
 from sidecar.validation.shapes import TINY_LLAMA
 from tests.conftest import S3Registry, StartSidecar, call, s3_settings
 from tests.triton.conftest import StartNodeSidecar, TritonNode, ask, start_triton_node

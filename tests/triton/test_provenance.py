@@ -15,7 +15,7 @@ import aiohttp
 import numpy as np
 import tritonclient.grpc.aio as grpcclient
 
-from sidecar.examples import write_adapter
+from sidecar.process.examples import write_adapter
 from tests.conftest import S3Registry, StartSidecar, make_settings
 from tests.signing_keys import key_policy, make_key, sign_with_key
 from tests.triton.conftest import StartNodeSidecar, TritonNode

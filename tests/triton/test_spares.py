@@ -20,7 +20,7 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from sidecar.catalog.disk import NoopAdapter
-from sidecar.config import LLAMA_TARGET_MODULES
+from sidecar.validation.options import LLAMA_TARGET_MODULES
 from sidecar.validation.shapes import TINY_LLAMA
 from tests.conftest import S3Registry, StartSidecar, call, s3_settings
 from tests.triton.conftest import (
@@ -203,7 +203,7 @@ async def test_bindings_survive_a_sidecar_restart_and_a_triton_restart_on_the_sa
                  in second.reloads.status()["spares"]["bound"].items()}
         assert sorted(bound.values()) == ["a", "b"]
 
-        reloads = second.metrics.registry.get_sample_value(
+        reloads = second.metrics.metrics_registry.get_sample_value(
             "lora_sidecar_triton_reloads_total", {"outcome": "ok"}) or 0.0
         node.server.stop()  # Triton restarts on the same catalog, at the same address
         node.server = TritonServer.start(tmp_path / "node" / "again",
@@ -212,7 +212,7 @@ async def test_bindings_survive_a_sidecar_restart_and_a_triton_restart_on_the_sa
                                          ports=(node.server.http_port, node.server.grpc_port))
         servers.append(node.server)
         node.server.load(ROUTER, router_config(node.sidecar_url))
-        await wait_for(lambda: (second.metrics.registry.get_sample_value(
+        await wait_for(lambda: (second.metrics.metrics_registry.get_sample_value(
             "lora_sidecar_triton_reloads_total", {"outcome": "ok"}) or 0.0) > reloads)
 
         assert second.reloads.status()["generation"] == 1  # the same catalog, not a new one

@@ -15,8 +15,8 @@ import tritonclient.http as tritonhttp
 from tritonclient.utils import InferenceServerException
 
 from compose import client as compose_client
-from sidecar.app import Sidecar
 from sidecar.config import TritonReload
+from sidecar.process.app import Sidecar
 from tests.conftest import S3Registry, call
 from tests.triton.conftest import StartNodeSidecar, TritonNode, ask, direct_call
 from tests.triton.harness import ROUTER, VLLM_MODEL, router_config
@@ -26,7 +26,7 @@ WEIGHTS = "adapter_model.safetensors"
 
 
 def stage_count(sidecar: Sidecar, result: str) -> float:
-    value = sidecar.metrics.registry.get_sample_value(
+    value = sidecar.metrics.metrics_registry.get_sample_value(
         "lora_sidecar_stage_requests_total", {"result": result})
     return value or 0.0
 
@@ -74,7 +74,7 @@ async def test_sixteen_concurrent_calls_over_eight_adapters_with_room_for_three(
         assert answer == expected_text(weights[adapter_id], prompt)
     assert sidecar.store.snapshot().active_leases == 0
     assert len(sidecar.store.adapters()) <= 3
-    evicted = sidecar.metrics.registry.get_sample_value(
+    evicted = sidecar.metrics.metrics_registry.get_sample_value(
         "lora_sidecar_evictions_total", {"reason": "lru"})
     assert evicted is not None and evicted >= 5  # eight adapters went through three places
 
@@ -199,7 +199,7 @@ async def test_a_request_no_engine_can_serve_yet_is_held_through_an_unload_first
     try:
         sidecar = await node_sidecar(triton_reload=TritonReload.UNLOAD_FIRST, spare_names=0)
         files = s3.put_adapter("held-v1", seed=14)
-        reloads = sidecar.metrics.registry.get_sample_value(
+        reloads = sidecar.metrics.metrics_registry.get_sample_value(
             "lora_sidecar_triton_reloads_total", {"outcome": "ok"})
         started = time.monotonic()
 
@@ -209,7 +209,7 @@ async def test_a_request_no_engine_can_serve_yet_is_held_through_an_unload_first
 
         assert answer == expected_text(files[WEIGHTS], "x")
         assert time.monotonic() - started > 0.05
-        assert sidecar.metrics.registry.get_sample_value(
+        assert sidecar.metrics.metrics_registry.get_sample_value(
             "lora_sidecar_triton_reloads_total", {"outcome": "ok"}) == (reloads or 0) + 1
         assert sidecar.store.snapshot().active_leases == 0
     finally:

@@ -6,10 +6,12 @@ import json
 import logging
 import sys
 from datetime import UTC, datetime
+from enum import Enum
 
-from aiohttp.http_exceptions import HttpProcessingError
 
-from .config import LogFormat
+class LogFormat(Enum):
+    TEXT = "text"
+    JSON = "json"
 
 
 def fields(**values: object) -> dict[str, object]:
@@ -34,20 +36,6 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-class _QuietBadRequests(logging.Filter):
-    """aiohttp logs every malformed request (oversized header, garbage request line) as an
-    ERROR with a traceback: any local client could flood the log. They become one DEBUG line;
-    the client already got its 4xx."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if isinstance(error, HttpProcessingError) and 400 <= (error.code or 0) < 500:
-            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
-            record.msg, record.args, record.exc_info = "rejected a malformed request: %s", (
-                error.message,), None
-        return True
-
-
 def configure_logging(level: str, fmt: LogFormat) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt is LogFormat.JSON:
@@ -60,7 +48,6 @@ def configure_logging(level: str, fmt: LogFormat) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    logging.getLogger("aiohttp.server").addFilter(_QuietBadRequests())
     # Third-party chatter stays at WARNING unless we debug the sidecar itself.
     for noisy in ("aiobotocore", "botocore", "aiohttp.access", "watchdog"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -1,7 +1,7 @@
 """What the registry holds, as of its last listing (every --catalog-refresh seconds). The catalog
 lists what is validated and on disk, not the registry, so nothing else lists it while the
 sidecar runs: this listing is what reports registry folders that cannot be adapters (the
-source logs them once per change and counts them in lora_sidecar_registry_skipped_folders), and
+registry logs them once per change and counts them in lora_sidecar_registry_skipped_folders), and
 what GET /catalog shows of the adapters a first /stage would add.
 """
 
@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..errors import SidecarError
-from ..fsutil import iso_utc
-from ..registry.base import AdapterSource
+from ..core.errors import SidecarError
+from ..core.fsutil import iso_utc
+from .base import AdapterRegistry
 
 log = logging.getLogger(__name__)
 
@@ -23,13 +23,13 @@ RETRY_AFTER_FAILURE_S = 5.0
 SHOWN_NOT_STAGED = 100  # ids quoted in GET /catalog; the count is always whole
 
 
-class RegistryView:
+class RegistryListing:
     """`run()` as a background task; `status()` for GET /catalog."""
 
-    def __init__(self, source: AdapterSource, interval_s: float,
+    def __init__(self, registry: AdapterRegistry, interval_s: float,
                  on_disk: Callable[[], Iterable[str]],
                  wall: Callable[[], float] = time.time) -> None:
-        self._source = source
+        self._registry = registry
         self._interval_s = interval_s
         self._on_disk = on_disk
         self._wall = wall
@@ -47,7 +47,7 @@ class RegistryView:
     async def list_once(self) -> bool:
         """One listing; False (the reason kept for status()) when the registry cannot say."""
         try:
-            ids = frozenset(await self._source.list_adapter_ids())
+            ids = frozenset(await self._registry.list_adapter_ids())
         except SidecarError as exc:
             if self._error != exc.message:
                 log.warning("cannot list the registry: %s", exc.message)

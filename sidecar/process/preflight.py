@@ -18,39 +18,54 @@ import asyncio
 import logging
 from pathlib import Path
 
-from .config import REGISTRY_START_CHECK_S, Settings, local_registry_problem, option_for
-from .errors import AdapterNotFound, SidecarError
-from .registry.base import AdapterSource
+from ..config import Settings, option_for
+from ..core.errors import AdapterNotFound, SidecarError
+from ..registry.base import AdapterRegistry
+from ..registry.kinds import scheme_of
+from ..registry.local import folder_problem
 
 log = logging.getLogger(__name__)
 
-START_CHECK_S = REGISTRY_START_CHECK_S
+START_CHECK_S = 10.0  # the most a start waits on the registry to judge --pin, then starts
 SHOWN_IDS = 10
 
 
-async def configuration_problems(settings: Settings, source: AdapterSource) -> list[str]:
+async def configuration_problems(settings: Settings, registry: AdapterRegistry) -> list[str]:
     """Every problem of `settings` that stops the start, each naming its option."""
     if settings.is_local:
-        problem = await asyncio.to_thread(local_registry_problem, settings.registry)
+        problem = await asyncio.to_thread(registry_folder_problem, settings.registry)
         if problem is not None:
             return [problem]  # pins cannot be looked up without it
     if not settings.pin:
         return []
-    return await _missing_pins(settings, source)
+    return await _missing_pins(settings, registry)
+
+
+def registry_folder_problem(location: str) -> str | None:
+    """Why a local --registry cannot work, naming the option, or None. An S3 registry is never
+    judged here: one that does not answer yet may still come up (services start in any order).
+    Blocking."""
+    if scheme_of(location) != "":
+        return None
+    problem = folder_problem(location)
+    if problem is None:
+        return None
+    option = option_for("registry")
+    return f"{option.flag} ({option.env_var}) = {location!r}: {problem}"
 
 
 def _folder(registry: str) -> Path:
     return Path(registry).expanduser().absolute()
 
 
-async def _missing_pins(settings: Settings, source: AdapterSource) -> list[str]:
+async def _missing_pins(settings: Settings, registry: AdapterRegistry) -> list[str]:
     missing: list[str] = []
     answered = True
     try:
         async with asyncio.timeout(START_CHECK_S):
             for adapter_id in settings.pin:
                 try:
-                    await source.list_files(adapter_id)
+                    await registry.list_files(adapter_id)
                 except AdapterNotFound:
                     missing.append(adapter_id)
     except (SidecarError, TimeoutError) as exc:
@@ -61,17 +76,18 @@ async def _missing_pins(settings: Settings, source: AdapterSource) -> list[str]:
     if not missing:
         return []
     option = option_for("pin")
-    held = await _registry_ids(source) if answered else ""
-    where = source.description if not settings.is_local else f"folder {_folder(settings.registry)}"
+    held = await _registry_ids(registry) if answered else ""
+    where = (registry.description if not settings.is_local
+             else f"folder {_folder(settings.registry)}")
     return [f"{option.flag} ({option.env_var}): no adapter {adapter_id!r} in the registry "
             f"{where}{held}" for adapter_id in missing]
 
 
-async def _registry_ids(source: AdapterSource) -> str:
+async def _registry_ids(registry: AdapterRegistry) -> str:
     """`" (it holds: a, b, …)"` to help spot a typo; empty when the registry cannot say."""
     try:
         async with asyncio.timeout(START_CHECK_S):
-            ids = await source.list_adapter_ids()
+            ids = await registry.list_adapter_ids()
     except (SidecarError, TimeoutError):
         return ""
     if not ids:

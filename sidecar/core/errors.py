@@ -1,6 +1,6 @@
 """The sidecar's error vocabulary: every failure a caller can see, with a stable code.
 
-`api.py` maps each class to an HTTP status in one table; the `code` is what clients match on.
+`web/api.py` maps each class to an HTTP status in one table; the `code` is what clients match on.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class InvalidAdapter(SidecarError):
                 "refused_at": self.refused_at, "remembered_until": self.remembered_until}
 
 
-class SourceUnavailable(SidecarError):
+class RegistryUnavailable(SidecarError):
     """The registry could not be reached or did not answer in time (retryable)."""
 
     code = "registry_unavailable"
@@ -140,7 +140,7 @@ class SourceUnavailable(SidecarError):
         return {"cause": self.cause}
 
 
-class RegistryTransient(SourceUnavailable):
+class RegistryTransient(RegistryUnavailable):
     """The bytes did not arrive intact on any fresh download (a checksum that disagrees with
     the registry's own, a file that cannot be read back): retryable, and never remembered as a
     verdict on the adapter."""
@@ -148,7 +148,7 @@ class RegistryTransient(SourceUnavailable):
     code = "registry_transient"
 
 
-class SourceError(SidecarError):
+class RegistryError(SidecarError):
     """The registry answered, but with a refusal: credentials, permissions, missing bucket."""
 
     code = "registry_error"
@@ -161,7 +161,7 @@ class SourceError(SidecarError):
         return {"cause": self.cause}
 
 
-class SourceChanged(SourceError):
+class RegistryObjectChanged(RegistryError):
     """An object changed between listing and fetch (etag or size moved under us)."""
 
     code = "registry_object_changed"

@@ -5,13 +5,11 @@ them down in order (HTTP first, storage client last).
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
 import gc
 import logging
 import os
 import signal
-import socket
 import time
 from collections.abc import Awaitable
 from pathlib import Path
@@ -19,36 +17,37 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from .cache.ownership import CacheLock
-from .cache.recovery import recover
-from .cache.stager import Stager
-from .cache.store import AdapterStore
-from .cache.upkeep import stage_pin, sweep_leases
-from .cache.watcher import Watcher
-from .catalog.catalog import Catalog
-from .catalog.naming import Naming, StoreView
-from .catalog.registry_view import RegistryView
-from .catalog.reloads import Reloads
-from .catalog.seed import REPOSITORY_DIR, seed_model_repository
-from .config import Settings, is_loopback, option_for
-from .errors import CacheOwned, ConfigError, SidecarError, SourceUnavailable
-from .exits import EXIT_CACHE_OWNED, EXIT_FAILED, EXIT_OK
-from .logs import configure_logging, fields
-from .metrics import Metrics
+from ..cache.lease_sweep import sweep_leases
+from ..cache.ownership import CacheLock
+from ..cache.recovery import recover
+from ..cache.stager import RELIST_REFUSED_S, Stager
+from ..cache.store import AdapterStore
+from ..cache.watcher import Watcher
+from ..catalog.catalog import Catalog
+from ..catalog.naming import Naming, StoreView
+from ..catalog.reloads import Reloads
+from ..config import Settings
+from ..core.errors import CacheOwned, ConfigError, SidecarError
+from ..core.exits import EXIT_CACHE_OWNED, EXIT_FAILED, EXIT_OK
+from ..core.logs import configure_logging, fields
+from ..core.metrics import Metrics
+from ..core.net import is_loopback
+from ..registry.base import AdapterRegistry
+from ..registry.kinds import open_registry
+from ..registry.listing import RegistryListing
+from ..registry.transfer import DEFAULT_ATTEMPTS, TransferPolicy, transfer_executor
+from ..validation.signing_policy import describe_rules
+from ..validation.validate import Rules
+from ..web.api import READ_ONLY_ROUTES, Services, build_web_app
+from ..web.epp import AdapterSet, EppExporter
+from ..web.server import SHUTDOWN_GRACE_S, quiet_bad_requests, serve_http
 from .preflight import configuration_problems
-from .registry.base import AdapterSource
-from .registry.kinds import open_source
-from .registry.transfer import TransferPolicy, transfer_executor
-from .validation.signing_policy import describe_rules
-from .validation.validate import Rules
-from .web.api import READ_ONLY_ROUTES, Services, build_web_app
-from .web.epp import AdapterSet, EppExporter
+from .seed import REPOSITORY_DIR, seed_model_repository
 
 log = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 2.0
 REGISTRY_PROBE_OK_S = 15.0
-SHUTDOWN_GRACE_S = 10.0
 
 
 class Health:
@@ -66,9 +65,8 @@ class Health:
                 log.warning("not ready: %s: %s", condition, problem)
             self._problems[condition] = problem
 
-    def drop(self, condition: str) -> None:
-        """Forget a condition that no longer applies (not a recovery: nothing to log)."""
-        self._problems.pop(condition, None)
+    def failing(self, condition: str) -> bool:
+        return condition in self._problems
 
     def problems(self) -> list[str]:
         return [f"{name}: {problem}" for name, problem in sorted(self._problems.items())]
@@ -77,10 +75,10 @@ class Health:
 class Sidecar:
     """The running daemon. `await start()`, then `await stop()`; tests use it in-process."""
 
-    def __init__(self, settings: Settings, registry: CollectorRegistry | None = None, *,
+    def __init__(self, settings: Settings, metrics_registry: CollectorRegistry | None = None, *,
                  lock: CacheLock | None = None) -> None:
         self.settings = settings
-        self.metrics = Metrics(registry)
+        self.metrics = Metrics(metrics_registry)
         self.health = Health()
         self.rules = Rules.from_settings(settings)
         # The catalog first: the store tells it of every folder that leaves adapters/.
@@ -94,44 +92,52 @@ class Sidecar:
             min_free_bytes=settings.min_free_bytes,
             lease_ttl_s=settings.lease_ttl_s,
             max_leases=settings.max_leases,
+            pinned=settings.pin,
             metrics=self.metrics,
             listener=self.catalog,
         )
         policy = TransferPolicy(
             part_size_bytes=settings.part_size_bytes,
-            attempts=settings.s3_max_attempts,
+            attempts=DEFAULT_ATTEMPTS,  # a kind with a setting of its own sets it (S3)
             limiter=asyncio.Semaphore(settings.download_concurrency),
             concurrency=settings.download_concurrency,
             executor=transfer_executor(settings.download_concurrency),
         )
         self._transfer_executor = policy.executor
-        self.source: AdapterSource
-        self.source = open_source(settings, policy, self._count_registry_error,
-                                  self.metrics.registry_skipped_folders.set)
+        self.registry: AdapterRegistry = open_registry(
+            settings, policy, self._count_registry_error,
+            self.metrics.registry_skipped_folders.set)
         self.stager = Stager(
             self.store,
-            self.source,
+            self.registry,
             self.rules,
             self.metrics,
             refusal_ttl_s=settings.refusal_ttl_s,
             not_found_ttl_s=settings.not_found_ttl_s,
             upload_settle_s=settings.upload_settle_s,
-            on_source_result=self._note_source_result,
+            on_registry_result=self._note_registry_result,
         )
-        self.metrics.watch(self.store, self.stager)
-        self.registry_view = RegistryView(
-            self.source, settings.catalog_refresh_s,
+        store, stager = self.store, self.stager
+        self.metrics.watch(
+            cache_bytes=lambda: store.total_bytes,
+            cache_adapters=lambda: len(store.adapters()),
+            cache_capacity_bytes=lambda: store.max_bytes,
+            cache_capacity_adapters=lambda: store.max_adapters,
+            pinned_adapters=lambda: store.snapshot().pinned_adapters,
+            active_leases=lambda: store.live_lease_count,
+            inflight_downloads=lambda: len(stager.inflight),
+        )
+        self.registry_listing = RegistryListing(
+            self.registry, settings.catalog_refresh_s,
             lambda: (adapter.adapter_id for adapter in self.store.adapters()))
         self.reloads = Reloads(settings, self.catalog, self.metrics,
                                StoreView(self.store, settings.allowed_target_modules),
-                               registry_ids=self.registry_view.ids)
-        self.naming = Naming(self.catalog, self.reloads, self.store, self.metrics)
+                               registry_ids=self.registry_listing.ids)
+        self.naming = Naming(self.catalog, self.reloads, self.stager, self.store, self.metrics)
         self.watcher = Watcher(self.store, self.rules, self.metrics)
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None
         self._metrics_runner: web.AppRunner | None = None
-        self._pins_pending = set(settings.pin)
-        self._pin_tasks: dict[str, asyncio.Task[None]] = {}
         self._started = False
         self.port = settings.port
         self.lock = lock or CacheLock(settings.cache_root)  # `serve` takes it before imports
@@ -164,7 +170,7 @@ class Sidecar:
                 if runner is not None:
                     await runner.cleanup()
             self._runner = self._metrics_runner = None
-            await self.source.close()
+            await self.registry.close()
             # A start that fails (refused settings, a port in use) leaves nothing behind, not
             # even a cache root made for the lock, when nothing else was written into it.
             self.lock.release(undo=True)
@@ -173,9 +179,9 @@ class Sidecar:
         self.lock.set_port(self.port)
         recovery = self._spawn(self._recover_then_serve(), "recovery")
         self._spawn(self._health_loop(), "health")
-        self._spawn(self.registry_view.run(), "registry-listing")
+        self._spawn(self.registry_listing.run(), "registry-listing")
         log.info("lora-sidecar listening on http://%s:%d registry=%s cache_root=%s",
-                 self.settings.host, self.port, self.source.description,
+                 self.settings.host, self.port, self.registry.description,
                  self.settings.cache_root)
         for line in describe_rules(self.rules.signing):
             log.info("signing policy %s: %s", self.rules.signing.path, line)
@@ -183,10 +189,10 @@ class Sidecar:
             await asyncio.shield(recovery)
 
     async def _listen(self) -> None:
-        await self.source.open()
-        # Settings that parse but cannot work stop the start (sidecar/preflight.py says which
+        await self.registry.open()
+        # Settings that parse but cannot work stop the start (process/preflight.py says which
         # problems stop it and which only delay ready); the caller makes it exit code 2.
-        problems = await configuration_problems(self.settings, self.source)
+        problems = await configuration_problems(self.settings, self.registry)
         if problems:
             raise ConfigError(problems)
         if self.settings.seed_model_repository is not None:
@@ -195,15 +201,15 @@ class Sidecar:
             await asyncio.to_thread(seed_model_repository, self.settings.seed_model_repository,
                                     self.settings.cache_root / REPOSITORY_DIR)
         services = Services(
-            settings=self.settings, store=self.store, stager=self.stager, metrics=self.metrics,
-            readiness=self, catalog=self.naming,
-            recovered=self.recovered, on_unpin=self.unpin, epp=self.epp,
-            registry=self.registry_view,
+            settings=self.settings, store=self.store, stager=self.stager, naming=self.naming,
+            metrics=self.metrics, readiness=self, catalog=self.naming,
+            recovered=self.recovered, epp=self.epp,
+            registry_listing=self.registry_listing,
         )
-        self._runner, self.port = await _serve_http(
+        self._runner, self.port = await serve_http(
             build_web_app(services), self.settings.host, self.settings.port, "port")
         if self.settings.metrics_host is not None:
-            self._metrics_runner, self.metrics_port = await _serve_http(
+            self._metrics_runner, self.metrics_port = await serve_http(
                 build_web_app(services, READ_ONLY_ROUTES), self.settings.metrics_host,
                 self.settings.metrics_port, "metrics_port")
             log.info("read-only listener (metrics, probes) on http://%s:%d",
@@ -223,14 +229,11 @@ class Sidecar:
             await asyncio.wait(self._tasks, timeout=SHUTDOWN_GRACE_S)
         await self.stager.close()
         await self.reloads.close()
-        await self.store.settle_trash()
-        await self.source.close()
+        await self.store.close()
+        await self.registry.close()
         if self._transfer_executor is not None:
             # Every download has waited for its threads; none is left running here.
             self._transfer_executor.shutdown(wait=False, cancel_futures=True)
-        journal, self.store.journal = self.store.journal, None
-        if journal is not None:
-            await asyncio.to_thread(journal.close)
         self.lock.release()  # last: everything of ours in the cache is settled
         if self._started:
             log.info("lora-sidecar stopped")
@@ -241,15 +244,13 @@ class Sidecar:
         return f"http://{host}:{self.port}"
 
     def problems(self) -> list[str]:
-        pending = sorted(self._pins_pending)
         problems = self.health.problems()
         if not self.recovered.is_set():
             progress = self._recovery_progress
             problems.insert(0, "recovering: reading the cache" if progress is None else
                             f"recovering: {progress[0]} of {progress[1]} adapter folders "
                             "checked")
-        if pending:
-            problems.append(f"pinned adapters not staged yet: {', '.join(pending)}")
+        problems.extend(self.store.pins.problems())
         catalog_problem = self.reloads.problem()
         if catalog_problem is not None:
             problems.append(catalog_problem)
@@ -273,7 +274,7 @@ class Sidecar:
         try:
             # After the cache's index (a generation lists what is on disk), before the API
             # answers /stage (which asks the catalog for the name to send).
-            await self.reloads.start(self.registry_view.listed)
+            await self.reloads.start(self.registry_listing.listed)
         except Exception as exc:
             log.exception("starting the catalog failed")
             self.health.set("catalog", f"starting the catalog failed: {exc}")
@@ -283,23 +284,18 @@ class Sidecar:
         await self.watcher.start()
         self._spawn(self.watcher.run(), "watcher")
         self._spawn(sweep_leases(self.store), "leases")
-        for adapter_id in self.settings.pin:
-            if adapter_id in self._pins_pending:
-                self._pin_tasks[adapter_id] = self._spawn(
-                    stage_pin(self.stager, adapter_id, self.settings.stage_timeout_s,
-                              functools.partial(self._note_pin_result, adapter_id)),
-                    f"pin:{adapter_id}")
+        stage_pinned = functools.partial(self.stager.stage, timeout_s=self.settings.stage_timeout_s,
+                                         lease=False)
+        self._spawn(self.store.pins.keep_staged(stage_pinned, retry_refused_s=RELIST_REFUSED_S),
+                    "pins")
 
     async def _recover(self) -> None:
-        await recover(self.store, self.rules, pins=self.settings.pin,
+        await recover(self.store, self.rules,
                       max_leases=self.settings.max_leases,
                       lease_ttl_s=self.settings.lease_ttl_s,
                       on_problem=lambda problem: self.health.set("cache", problem),
                       on_progress=self._note_recovery_progress,
                       metrics=self.metrics)
-        for adapter_id in self.settings.pin:
-            if self.store.get(adapter_id) is not None:
-                self._pins_pending.discard(adapter_id)
 
     def _note_recovery_progress(self, checked: int, folders: int) -> None:
         self._recovery_progress = (checked, folders)
@@ -319,89 +315,29 @@ class Sidecar:
             try:
                 problem = await asyncio.to_thread(_check_writable, self.store.root)
                 self.health.set("cache", problem)
-                registry_down = "registry" in {p.split(":")[0] for p in self.health.problems()}
-                interval = HEALTH_INTERVAL_S if registry_down else REGISTRY_PROBE_OK_S
+                interval = (HEALTH_INTERVAL_S if self.health.failing("registry")
+                            else REGISTRY_PROBE_OK_S)
                 if time.monotonic() - last_probe >= interval:
                     last_probe = time.monotonic()
                     try:
-                        await self.source.probe()
-                        self._note_source_result(None)
+                        await self.registry.probe()
+                        self._note_registry_result(None)
                     except SidecarError as exc:
-                        self._note_source_result(exc)
+                        self._note_registry_result(exc)
             except Exception:
                 log.exception("health check failed")
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
-    def _note_pin_result(self, adapter_id: str, problem: str | None) -> None:
-        self.health.set(f"pin {adapter_id}", problem)
-        if problem is None:
-            self._pins_pending.discard(adapter_id)
-
-    def unpin(self, adapter_id: str) -> bool:
-        """Unpin, including a pin still waiting to be staged: its retries stop and it no longer
-        holds readiness back. True if the adapter was pinned."""
-        was_pinned = self.store.unpin(adapter_id)
-        task = self._pin_tasks.pop(adapter_id, None)
-        if task is not None and not task.done():
-            task.cancel("unpinned")
-        if adapter_id in self._pins_pending:
-            self._pins_pending.discard(adapter_id)
-            was_pinned = True
-        self.health.drop(f"pin {adapter_id}")
-        return was_pinned
-
-    def _note_source_result(self, error: SidecarError | None) -> None:
+    def _note_registry_result(self, error: SidecarError | None) -> None:
+        """A call to the registry succeeded (None) or failed: readiness says the registry is
+        down while its failures mean so (the registry kind decides which do)."""
         if error is None:
             self.health.set("registry", None)
-        elif isinstance(error, SourceUnavailable) or getattr(error, "cause", "") in (
-            "credentials", "credentials_expired", "clock", "permission", "bucket", "not_s3",
-        ):
+        elif self.registry.makes_unready(error):
             self.health.set("registry", error.message)
 
     def _count_registry_error(self, operation: str) -> None:
         self.metrics.registry_errors.labels(operation=operation).inc()
-
-
-async def _serve_http(app: web.Application, host: str, port: int,
-                      port_setting: str) -> tuple[web.AppRunner, int]:
-    """Serve `app` on host:port; the runner and the port bound (port 0 picks one). A port
-    that cannot be bound raises OSError saying which setting chose it."""
-    runner = web.AppRunner(
-        app,
-        access_log=None,
-        handler_cancellation=False,  # a client hanging up must not cancel a shared stage
-        shutdown_timeout=SHUTDOWN_GRACE_S,
-        max_line_size=8190,  # bounded request line and headers
-        max_field_size=8190,
-        max_headers=64,
-    )
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
-    try:
-        await site.start()
-    except OSError as exc:
-        await runner.cleanup()
-        raise OSError(exc.errno, _bind_failure(exc, host, port, port_setting)) from exc
-    sockets = getattr(site._server, "sockets", None) or []
-    return runner, sockets[0].getsockname()[1] if sockets else port
-
-
-def _bind_failure(exc: OSError, host: str, port: int, port_setting: str) -> str:
-    chosen = option_for(port_setting)
-    host_option = option_for("metrics_host" if port_setting == "metrics_port" else "host")
-    where = f"{host}:{port}"
-    if exc.errno == errno.EADDRINUSE:
-        return (f"port {port} on {host} is already in use (another lora-sidecar, or another "
-                f"program): stop it, or choose another port with {chosen.flag} "
-                f"({chosen.env_var})")
-    if exc.errno == errno.EACCES:
-        return (f"binding {where} is not permitted (ports below 1024 need privileges): "
-                f"choose another port with {chosen.flag} ({chosen.env_var})")
-    if exc.errno == errno.EADDRNOTAVAIL or isinstance(exc, socket.gaierror):
-        return (f"{host} is not an address of this machine: choose another with "
-                f"{host_option.flag} ({host_option.env_var})")
-    return (f"cannot listen on {where}: {exc.strerror or exc} ({chosen.flag}, "
-            f"{host_option.flag})")
 
 
 def _check_writable(folder: Path) -> str | None:
@@ -424,6 +360,7 @@ def serve(settings: Settings, lock: CacheLock | None = None) -> int:
     """Run until SIGTERM/SIGINT (with the cache's lock, if the caller took it already).
     Returns the process exit code."""
     configure_logging(settings.log_level, settings.log_format)
+    quiet_bad_requests()
     if not is_loopback(settings.host) and settings.api_token is None:
         log.warning("binding to %s without --api-token: anyone who can reach this port can "
                     "evict and pin adapters", settings.host)

@@ -19,9 +19,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import LLAMA_TARGET_MODULES, format_size
-from .exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from .ids import is_valid_adapter_id
+from ..core.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from ..core.ids import is_valid_adapter_id
+from ..core.units import format_size
+from ..validation.options import LLAMA_TARGET_MODULES
 
 DEFAULT_URL = "http://127.0.0.1:8500"
 Handler = Callable[[argparse.Namespace], int]
@@ -272,9 +273,9 @@ def _wait_ready(args: argparse.Namespace) -> tuple[bool, str]:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from .validation.shapes import ModelShapes
-    from .validation.signing_policy import NO_POLICY, SigningPolicy
-    from .validation.validate import Rules, run_validate
+    from ..validation.shapes import ModelShapes
+    from ..validation.signing_policy import NO_POLICY, SigningPolicy
+    from ..validation.validate import Rules, run_validate
 
     try:
         shapes = ModelShapes.from_file(args.base_model_config) if args.base_model_config else None
@@ -299,10 +300,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_sign(args: argparse.Namespace) -> int:
     """Sign an adapter folder in OMS format (model.sig) so that a sidecar whose policy names
     this key (or the certificate's CA and identity) accepts it."""
-    from .cache.records import content_digest
-    from .filehash import hash_file
-    from .validation.files import SIGNATURE_FILE, listed, plan_folder
-    from .validation.signatures import sign_folder
+    from ..cache.records import content_digest
+    from ..core.filehash import hash_file
+    from ..validation.files import SIGNATURE_FILE, listed, plan_folder
+    from ..validation.signatures import sign_folder
 
     folder: Path = args.folder
     if not folder.is_dir():

@@ -1,15 +1,13 @@
-"""Every Prometheus metric of the sidecar, on a registry passed in; cache gauges are read from
-the store when scraped, so they cannot drift from it.
+"""Every Prometheus metric of the sidecar, on a metrics registry passed in (Prometheus' word:
+the adapter store is the registry everywhere else); cache gauges are read when scraped, from
+functions the wiring passes in, so they cannot drift from what they show.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING
 
-from aiohttp.typedefs import Handler
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
-from prometheus_client.aiohttp import make_aiohttp_handler
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
@@ -17,10 +15,6 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from .version import build_info
-
-if TYPE_CHECKING:
-    from .cache.stager import Stager
-    from .cache.store import AdapterStore
 
 # The text format of /metrics/epp (hand-rendered: one gauge per adapter, web/epp.py).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -45,11 +39,13 @@ class ScrapeGauges(Collector):
 
 
 class Metrics:
-    """The sidecar's metrics. `app.py` makes one per process; tests make their own."""
+    """The sidecar's metrics. `process/app.py` makes one per process; tests make their own."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, *, process: bool = True):
-        self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
+    def __init__(self, metrics_registry: CollectorRegistry | None = None, *,
+                 process: bool = True) -> None:
+        self.metrics_registry = (metrics_registry if metrics_registry is not None
+                                 else CollectorRegistry())
+        r = self.metrics_registry
         self.stage_requests = Counter(
             "lora_sidecar_stage_requests", "Stage requests by result (hit, miss, error).",
             ["result"], registry=r,
@@ -162,27 +158,25 @@ class Metrics:
             self.catalog_compactions.labels(reason=reason)
         for change in ("bound", "parked", "returned", "burnt"):
             self.catalog_name_changes.labels(change=change)
-        # GET /metrics: prometheus_client's own handler, in the format the scraper asks for.
-        self.handler: Handler = make_aiohttp_handler(r, disable_compression=True)
         if process:
             ProcessCollector(registry=r)
             PlatformCollector(registry=r)
             GCCollector(registry=r)
 
-    def watch(self, store: AdapterStore, stager: Stager) -> None:
-        """Register the gauges read at scrape time, so they cannot drift from what they show."""
-        self.registry.register(ScrapeGauges((
-            ("cache_bytes", "Bytes of published adapters on the cache volume.",
-             lambda: store.total_bytes),
-            ("cache_adapters", "Published adapters on the cache volume.",
-             lambda: len(store.adapters())),
-            ("cache_capacity_bytes", "Byte budget of the cache.", lambda: store.max_bytes),
+    def watch(self, *, cache_bytes: Callable[[], float], cache_adapters: Callable[[], float],
+              cache_capacity_bytes: Callable[[], float],
+              cache_capacity_adapters: Callable[[], float],
+              pinned_adapters: Callable[[], float], active_leases: Callable[[], float],
+              inflight_downloads: Callable[[], float]) -> None:
+        """Register the gauges read at scrape time, each from the function given for it."""
+        self.metrics_registry.register(ScrapeGauges((
+            ("cache_bytes", "Bytes of published adapters on the cache volume.", cache_bytes),
+            ("cache_adapters", "Published adapters on the cache volume.", cache_adapters),
+            ("cache_capacity_bytes", "Byte budget of the cache.", cache_capacity_bytes),
             ("cache_capacity_adapters", "Adapter budget of the cache.",
-             lambda: store.max_adapters),
-            ("pinned_adapters", "Adapters that are never evicted.",
-             lambda: store.snapshot().pinned_adapters),
+             cache_capacity_adapters),
+            ("pinned_adapters", "Adapters that are never evicted.", pinned_adapters),
             ("active_leases", "Leases handed out and not yet released or expired.",
-             lambda: store.live_lease_count),
-            ("inflight_downloads", "Adapters being downloaded now.",
-             lambda: len(stager.inflight)),
+             active_leases),
+            ("inflight_downloads", "Adapters being downloaded now.", inflight_downloads),
         )))

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from safetensors import TensorSpec, serialize_file
 
-from .validation.shapes import ATTENTION_MODULES, TINY_LLAMA, ModelShapes
+from ..validation.shapes import ATTENTION_MODULES, TINY_LLAMA, ModelShapes
 
 log = logging.getLogger(__name__)
 

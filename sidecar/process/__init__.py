@@ -1,0 +1,1 @@
+"""The process: the command line, the wiring, start-up checks, signals and shutdown."""
