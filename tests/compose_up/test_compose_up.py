@@ -389,7 +389,8 @@ def test_router_answers_each_adapter_with_its_reference_text(
     # Each adapter is served by its own name or by a spare name bound to it, and the engine
     # serves the generation the sidecar rendered last.
     catalog = json.loads(node.get("sidecar", 8500, "/catalog"))
-    served = set(catalog["adapter_ids"]) | set(catalog["spares"]["bound"].values())
+    served = set(catalog["adapter_ids"]) | {
+        version.split("@")[0] for version in catalog["spares"]["bound"].values()}
     assert set(ADAPTERS) <= served, catalog
     assert catalog["triton"]["loaded_generation"] == catalog["generation"], catalog
     unknown = node.ask("no-such-adapter-v1")
