@@ -17,8 +17,9 @@ import aiohttp
 import pytest
 
 from sidecar.cache.records import RECORD_NAME
-from tests.conftest import S3Registry, StartSidecar, call, make_settings, s3_settings, stage_ok
-from tests.ecosystem_adapters import (
+from tests.support.api import StartSidecar, call, stage_ok
+from tests.support.compose_uploader import Bucket, upload
+from tests.support.ecosystem_adapters import (
     CONFIG,
     WEIGHTS,
     files_below,
@@ -26,8 +27,9 @@ from tests.ecosystem_adapters import (
     write_trainer_checkpoint,
     write_trainer_output,
 )
-from tests.observing import eventually
-from tests.test_upload_adapters import Bucket, _upload
+from tests.support.observing import eventually
+from tests.support.s3 import S3Registry
+from tests.support.settings import make_settings, s3_settings
 
 LAYOUTS: dict[str, Callable[..., None]] = {
     "hf-download-v1": write_hf_download,
@@ -155,7 +157,7 @@ def test_the_compose_uploader_sends_what_the_sidecar_fetches_and_names_the_rest(
     for adapter_id, write in LAYOUTS.items():
         write(tmp_path / "adapters" / adapter_id)
 
-    result = _upload(bucket.registry, bucket.endpoint_url, tmp_path / "adapters")
+    result = upload(bucket.registry, bucket.endpoint_url, tmp_path / "adapters")
 
     assert result.returncode == 0, result.stdout + result.stderr
     assert set(bucket.objects()) == {f"team/adapters/{adapter_id}/{name}"

@@ -10,17 +10,11 @@ from pathlib import Path
 import aiohttp
 
 from sidecar.process.app import Sidecar
-from tests.conftest import (
-    S3Registry,
-    StartSidecar,
-    call,
-    local_registry_adapter,
-    make_settings,
-    s3_settings,
-    stage_ok,
-)
-from tests.observing import eventually
-from tests.s3proxy import drop_connection
+from tests.support.api import StartSidecar, call, stage_ok
+from tests.support.observing import eventually
+from tests.support.s3 import S3Registry
+from tests.support.s3proxy import drop_connection
+from tests.support.settings import local_registry_adapter, make_settings, s3_settings
 
 
 def cached_ids(tmp_path: Path) -> set[str]:

@@ -37,7 +37,7 @@ from sidecar.registry.local import LocalRegistry
 from sidecar.registry.transfer import TransferPolicy
 from sidecar.validation.shapes import TINY_LLAMA
 from sidecar.validation.validate import Rules, validate_adapter
-from tests.conftest import local_registry_adapter, make_settings
+from tests.support.settings import local_registry_adapter, make_settings
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
@@ -1059,7 +1059,7 @@ async def api_sidecar(tmp_path: Path, start_sidecar: Any, **overrides: Any) -> A
 async def test_stage_answers_the_name_to_send_and_catalog_shows_it(
     tmp_path: Path, start_sidecar: Any, http: Any,
 ) -> None:
-    from tests.conftest import call
+    from tests.support.api import call
 
     local_registry_adapter(tmp_path, "a1")
     sidecar = await api_sidecar(tmp_path, start_sidecar)
@@ -1090,7 +1090,7 @@ async def test_stage_answers_the_name_to_send_and_catalog_shows_it(
 async def test_get_adapters_says_when_the_registry_changed_under_an_id(
     tmp_path: Path, start_sidecar: Any, http: Any,
 ) -> None:
-    from tests.conftest import call
+    from tests.support.api import call
 
     local_registry_adapter(tmp_path, "a1", seed=1)
     sidecar = await api_sidecar(tmp_path, start_sidecar)
@@ -1113,7 +1113,7 @@ async def test_get_adapters_says_when_the_registry_changed_under_an_id(
 async def test_compact_needs_the_token_and_renders_a_generation_listing_what_is_on_disk(
     tmp_path: Path, start_sidecar: Any, http: Any,
 ) -> None:
-    from tests.conftest import call
+    from tests.support.api import call
 
     local_registry_adapter(tmp_path, "a1")
     sidecar = await api_sidecar(tmp_path, start_sidecar, api_token="s3cret-token")
@@ -1137,8 +1137,8 @@ async def test_compact_needs_the_token_and_renders_a_generation_listing_what_is_
 async def test_an_adapter_the_watcher_adopts_follows_the_catalogs_rule(
     tmp_path: Path, start_sidecar: Any, http: Any,
 ) -> None:
-    from tests.conftest import call
-    from tests.observing import eventually
+    from tests.support.api import call
+    from tests.support.observing import eventually
 
     sidecar = await api_sidecar(tmp_path, start_sidecar)
     outside = tmp_path / "copy"

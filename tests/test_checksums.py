@@ -21,8 +21,10 @@ from sidecar.process.examples import write_adapter
 from sidecar.registry.checksum import crc32_combine, s3_checksum_hex
 from sidecar.registry.transfer import TransferPolicy, part_starts
 from sidecar.validation.shapes import ModelShapes
-from tests.conftest import S3Registry, StartSidecar, call, s3_settings
-from tests.s3proxy import BodyFault, Seen
+from tests.support.api import StartSidecar, call
+from tests.support.s3 import S3Registry
+from tests.support.s3proxy import BodyFault, Seen
+from tests.support.settings import s3_settings
 
 WEIGHTS = "adapter_model.safetensors"
 # About 12 MB of weights: three ranged parts of 5 MiB or less.

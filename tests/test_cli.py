@@ -17,8 +17,9 @@ from sidecar.config import OPTIONS, Settings
 from sidecar.core.errors import ConfigError
 from sidecar.core.units import format_size, parse_size
 from sidecar.process.app import Sidecar
-from tests.broken_adapters import edit_config
-from tests.conftest import StartSidecar, call, local_registry_adapter, make_settings
+from tests.support.api import StartSidecar, call
+from tests.support.broken_adapters import edit_config
+from tests.support.settings import local_registry_adapter, make_settings
 
 
 async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
@@ -359,7 +360,7 @@ def test_sign_then_validate_with_the_policy_accepts_the_folder_and_a_change_is_n
     tmp_path: Path
 ) -> None:
     from sidecar.process.examples import write_adapter
-    from tests.signing_keys import key_policy, make_key, write_sha256sums
+    from tests.support.signing_keys import key_policy, make_key, write_sha256sums
 
     key = make_key(tmp_path / "keys", "acme-2026")
     policy = key_policy(tmp_path, key, match='prefix = "acme-"')
@@ -390,7 +391,7 @@ def test_sign_then_validate_with_the_policy_accepts_the_folder_and_a_change_is_n
 
 def test_sign_refuses_a_folder_holding_files_the_sidecar_would_refuse(tmp_path: Path) -> None:
     from sidecar.process.examples import write_adapter
-    from tests.signing_keys import make_key
+    from tests.support.signing_keys import make_key
 
     key = make_key(tmp_path / "keys", "k")
     folder = tmp_path / "a"

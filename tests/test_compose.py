@@ -24,7 +24,7 @@ import yaml
 from sidecar.config import OPTIONS, Settings, TritonReload
 from sidecar.process.examples import write_adapter
 from sidecar.validation.shapes import TINY_LLAMA
-from tests.processes import SidecarProcess, stage_blocking
+from tests.support.processes import SidecarProcess, stage_blocking
 from tests.triton.harness import import_router
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,10 +15,11 @@ from pathlib import Path
 
 from sidecar.validation.shapes import ModelShapes
 from sidecar.validation.validate import Rules
-from tests.cache_checks import check_cache
-from tests.conftest import S3Registry, make_settings
-from tests.processes import SidecarProcess, stage_blocking
-from tests.s3proxy import S3Proxy, Seen, is_object_get
+from tests.support.cache_checks import check_cache
+from tests.support.processes import SidecarProcess, stage_blocking
+from tests.support.s3 import S3Registry
+from tests.support.s3proxy import S3Proxy, Seen, is_object_get
+from tests.support.settings import make_settings
 
 ITERATIONS = 20
 ADAPTERS = [f"crash-{i}" for i in range(6)]

@@ -22,9 +22,11 @@ from sidecar.config import Settings
 from sidecar.process.app import Sidecar
 from sidecar.validation.shapes import ModelShapes
 from sidecar.validation.validate import Rules
-from tests.cache_checks import check_cache, folder_bytes
-from tests.conftest import S3Registry, StartSidecar, call, s3_settings
-from tests.s3proxy import Seen, drop_connection, is_object_get
+from tests.support.api import StartSidecar, call
+from tests.support.cache_checks import check_cache, folder_bytes
+from tests.support.s3 import S3Registry
+from tests.support.s3proxy import Seen, drop_connection, is_object_get
+from tests.support.settings import s3_settings
 
 # Adapters sized against the small filesystems below.
 SHAPES = ModelShapes(hidden_size=512, intermediate_size=1376, num_attention_heads=8,

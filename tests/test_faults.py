@@ -19,9 +19,11 @@ from sidecar.config import Settings
 from sidecar.registry.transfer import BACKOFF_CAP_S, backoff_s
 from sidecar.validation.shapes import ModelShapes
 from sidecar.validation.validate import Rules
-from tests.cache_checks import check_cache, folder_bytes
-from tests.conftest import S3Registry, StartSidecar, call, s3_settings
-from tests.s3proxy import BodyFault, FailTimes, Seen, is_object_get
+from tests.support.api import StartSidecar, call
+from tests.support.cache_checks import check_cache, folder_bytes
+from tests.support.s3 import S3Registry
+from tests.support.s3proxy import BodyFault, FailTimes, Seen, is_object_get
+from tests.support.settings import s3_settings
 
 WEIGHTS = "adapter_model.safetensors"
 

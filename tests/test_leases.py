@@ -16,8 +16,8 @@ from sidecar.cache.records import AdapterRecord, FileRecord
 from sidecar.cache.store import AdapterStore
 from sidecar.core.errors import LeaseNotFound
 from sidecar.core.metrics import Metrics
-from tests.conftest import local_registry_adapter
-from tests.processes import SidecarProcess, get_blocking, post_blocking, stage_blocking
+from tests.support.processes import SidecarProcess, get_blocking, post_blocking, stage_blocking
+from tests.support.settings import local_registry_adapter
 
 LEASE_TTL_S = 8.0
 

@@ -1,8 +1,8 @@
 """Many nodes on one machine, with real parts: HAProxy (Debian's) routing on the x-adapter-id
 header with the configuration of deploy/k8s/overlays/haproxy, in front of four nodes, each a
 real sidecar process with a cache of its own behind a front that stages and releases like the
-router: three run the router's code in tests/multinode_front.py, one is a real Triton with the
-router (vllm_model on the CPU stand-in). moto's S3 server (its own process; its access log
+router: three run the router's code in tests/support/multinode_front.py, one is a real Triton
+with the router (vllm_model on the CPU stand-in). moto's S3 server (its own process; its access log
 counts the object GETs) holds 200 adapters; 16 clients send 8000 requests whose adapters
 follow Zipf s = 1.0 (fixed seed).
 
@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.process.examples import write_adapter
 from sidecar.validation.shapes import TINY_LLAMA
-from tests.processes import SidecarProcess, http_status
+from tests.support.processes import SidecarProcess, http_status
 from tests.triton.harness import HEADER_FORWARD_ARGS, ROUTER, TritonServer, router_config
 from tests.triton.standin_vllm.answer import weights_digest
 
@@ -191,7 +191,7 @@ class Cluster:
         if node.index != TRITON_NODE:
             with (node.log_dir / "front.log").open("ab") as log:
                 node.front = subprocess.Popen(
-                    [sys.executable, str(REPO / "tests" / "multinode_front.py"),
+                    [sys.executable, str(REPO / "tests" / "support" / "multinode_front.py"),
                      "--listen", f"{node.address}:{self.front_port}",
                      "--sidecar", node.sidecar.url, "--cache-root", str(node.cache_root),
                      "--name", f"node-{node.index}", "--generate-s", str(GENERATION_S)],

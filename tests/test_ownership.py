@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import local_registry_adapter
-from tests.processes import (
+from tests.support.processes import (
     SidecarProcess,
     free_port,
     get_blocking,
     post_blocking,
     stage_blocking,
 )
+from tests.support.settings import local_registry_adapter
 
 SECOND_START_TIMEOUT_S = 30
 EXIT_CACHE_OWNED = 3  # the README's exit code for "another process owns the cache root"

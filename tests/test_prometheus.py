@@ -14,8 +14,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import StartSidecar, call, local_registry_adapter, make_settings
-from tests.observing import eventually
+from tests.support.api import StartSidecar, call
+from tests.support.observing import eventually
+from tests.support.settings import local_registry_adapter, make_settings
 
 StartPrometheus = Callable[[str], str]  # scrape target host:port -> Prometheus base URL
 

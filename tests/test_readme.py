@@ -11,9 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from sidecar.core import errors
-from sidecar.web import api
-from tests.processes import free_port, http_status
+from tests.support.api import api_error_codes
+from tests.support.processes import free_port, http_status
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -33,21 +32,6 @@ def readme_error_table() -> dict[str, set[int]]:
         for code in re.findall(r"`([a-z_]+)`", codes):
             table.setdefault(code, set()).add(int(status))
     return table
-
-
-def api_error_codes() -> dict[str, int]:
-    """Every code the API answers: each SidecarError (raised by the stager, the store, the
-    catalog, or built by /readyz) with its status, and the HTTP layer's own codes."""
-    codes: dict[str, int] = {}
-    pending: list[type[errors.SidecarError]] = [errors.SidecarError]
-    while pending:
-        cls = pending.pop()
-        pending.extend(cls.__subclasses__())
-        codes[cls.code] = api.STATUS.get(cls) or next(
-            (api.STATUS[base] for base in cls.__mro__ if base in api.STATUS), 500)
-    for status, code in api._HTTP_CODES.items():
-        codes.setdefault(code, status)
-    return codes
 
 
 def test_every_error_code_of_the_api_is_in_the_readme_with_its_status() -> None:

@@ -20,8 +20,9 @@ from sidecar.cache.store import AdapterStore
 from sidecar.process.app import Sidecar
 from sidecar.process.examples import write_adapter
 from sidecar.validation.shapes import ModelShapes
-from tests.conftest import StartSidecar, call, local_registry_adapter, make_settings
-from tests.processes import SidecarProcess, get_blocking, stage_blocking
+from tests.support.api import StartSidecar, call
+from tests.support.processes import SidecarProcess, get_blocking, stage_blocking
+from tests.support.settings import local_registry_adapter, make_settings
 
 # About 10 MB of weights per adapter: re-hashing four of them would read 40 MB.
 SHAPES = ModelShapes(hidden_size=1024, intermediate_size=2816, num_attention_heads=8,

@@ -23,11 +23,13 @@ from aiohttp import web
 
 from sidecar.registry import httpranges
 from sidecar.validation.shapes import ModelShapes
-from tests.conftest import S3Registry, StartSidecar, call, make_settings, s3_settings
-from tests.forward_proxy import ForwardProxy
-from tests.processes import SidecarProcess, stage_blocking
-from tests.proxy_process import PROXY_VARIABLES
-from tests.s3proxy import S3Proxy, Seen, is_object_get, s3_error
+from tests.support.api import StartSidecar, call
+from tests.support.forward_proxy import ForwardProxy
+from tests.support.processes import SidecarProcess, stage_blocking
+from tests.support.proxy_process import PROXY_VARIABLES
+from tests.support.s3 import S3Registry
+from tests.support.s3proxy import S3Proxy, Seen, is_object_get, s3_error
+from tests.support.settings import make_settings, s3_settings
 
 WEIGHTS = "adapter_model.safetensors"
 # About 12 MB of weights: several ranged parts.

@@ -14,16 +14,11 @@ import aiohttp
 import pytest
 
 from sidecar.process.app import Sidecar
-from tests.conftest import (
-    S3Registry,
-    StartSidecar,
-    call,
-    local_registry_adapter,
-    make_settings,
-    s3_settings,
-)
-from tests.observing import eventually, scrape
-from tests.processes import SidecarProcess
+from tests.support.api import StartSidecar, call
+from tests.support.observing import eventually, scrape
+from tests.support.processes import SidecarProcess
+from tests.support.s3 import S3Registry
+from tests.support.settings import local_registry_adapter, make_settings, s3_settings
 
 GAUGE = "lora_sidecar_registry_skipped_folders"
 

@@ -18,16 +18,11 @@ import aiohttp
 
 from sidecar.cache.stager import RELIST_REFUSED_S
 from sidecar.process.examples import write_adapter
-from tests.conftest import (
-    S3Registry,
-    StartSidecar,
-    call,
-    local_registry_adapter,
-    make_settings,
-    s3_settings,
-)
-from tests.observing import eventually
-from tests.processes import SidecarProcess, stage_blocking
+from tests.support.api import StartSidecar, call
+from tests.support.observing import eventually
+from tests.support.processes import SidecarProcess, stage_blocking
+from tests.support.s3 import S3Registry
+from tests.support.settings import local_registry_adapter, make_settings, s3_settings
 
 
 def unix_of(iso: str) -> float:

@@ -11,14 +11,10 @@ import aiohttp
 import pytest
 
 from sidecar.validation.shapes import ModelShapes
-from tests.conftest import (
-    S3Registry,
-    StartSidecar,
-    call,
-    local_registry_adapter,
-    make_settings,
-)
-from tests.processes import SidecarProcess, stage_blocking
+from tests.support.api import StartSidecar, call
+from tests.support.processes import SidecarProcess, stage_blocking
+from tests.support.s3 import S3Registry
+from tests.support.settings import local_registry_adapter, make_settings
 
 
 async def test_restart_reindexes_records_and_cleans_staging_and_trash(

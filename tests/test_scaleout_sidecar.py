@@ -14,7 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.process.app import Sidecar
 from sidecar.process.seed import REPOSITORY_DIR, seed_model_repository
-from tests.conftest import S3Registry, StartSidecar, call, make_settings, s3_settings
+from tests.support.api import StartSidecar, call
+from tests.support.s3 import S3Registry
+from tests.support.settings import make_settings, s3_settings
 from tests.triton.harness import TRITON_REPO
 
 EPP_METRIC = "lora_sidecar_lora_requests_info"

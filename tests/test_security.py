@@ -31,16 +31,10 @@ from sidecar.core.errors import ConfigError
 from sidecar.process.app import Sidecar
 from sidecar.process.examples import write_adapter
 from sidecar.web import api
-from tests.conftest import (
-    S3Registry,
-    StartSidecar,
-    call,
-    local_registry_adapter,
-    make_settings,
-    s3_settings,
-    set_moto_auth,
-)
-from tests.processes import SidecarProcess, free_port
+from tests.support.api import StartSidecar, call
+from tests.support.processes import SidecarProcess, free_port
+from tests.support.s3 import S3Registry, set_moto_auth
+from tests.support.settings import local_registry_adapter, make_settings, s3_settings
 
 TOKEN = "tok-" + secrets.token_hex(16)
 BEARER = {"Authorization": f"Bearer {TOKEN}"}

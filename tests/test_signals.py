@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 from sidecar.validation.shapes import ModelShapes
-from tests.conftest import S3Registry
-from tests.processes import SidecarProcess, stage_blocking
+from tests.support.processes import SidecarProcess, stage_blocking
+from tests.support.s3 import S3Registry
 
 
 async def test_a_second_sigterm_while_stopping_exits_at_once(

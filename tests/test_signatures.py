@@ -24,7 +24,7 @@ from sidecar.validation.signatures import (
     verify_folder,
 )
 from sidecar.validation.signing_policy import SignatureMode, SigningPolicy
-from tests.signing_keys import (
+from tests.support.signing_keys import (
     CertificateAuthority,
     KeyPair,
     key_policy,

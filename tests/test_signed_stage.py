@@ -19,9 +19,11 @@ import pytest
 from sidecar.cache.stager import RELIST_REFUSED_S
 from sidecar.process.app import Sidecar
 from sidecar.process.examples import write_adapter
-from tests.conftest import S3Registry, StartSidecar, call, make_settings, s3_settings, stage_ok
-from tests.observing import eventually
-from tests.signing_keys import (
+from tests.support.api import StartSidecar, call, stage_ok
+from tests.support.observing import eventually
+from tests.support.s3 import S3Registry
+from tests.support.settings import make_settings, s3_settings
+from tests.support.signing_keys import (
     CertificateAuthority,
     KeyPair,
     key_policy,

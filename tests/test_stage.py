@@ -15,16 +15,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.conftest import (
-    S3Registry,
-    StartSidecar,
-    call,
-    local_registry_adapter,
-    make_settings,
-    s3_settings,
-    set_moto_auth,
-)
-from tests.s3proxy import Seen
+from tests.support.api import StartSidecar, call
+from tests.support.s3 import S3Registry, set_moto_auth
+from tests.support.s3proxy import Seen
+from tests.support.settings import local_registry_adapter, make_settings, s3_settings
 
 
 def folder_digest(folder: Path) -> dict[str, str]:

@@ -18,10 +18,12 @@ from pathlib import Path
 import aiohttp
 
 from sidecar.process.examples import EXAMPLE_ADAPTERS, ensure_examples
-from tests.conftest import S3Registry, StartSidecar, call, s3_settings
-from tests.observing import eventually
-from tests.processes import SidecarProcess
-from tests.s3proxy import BodyFault
+from tests.support.api import StartSidecar, call
+from tests.support.observing import eventually
+from tests.support.processes import SidecarProcess
+from tests.support.s3 import S3Registry
+from tests.support.s3proxy import BodyFault
+from tests.support.settings import s3_settings
 
 
 def serve(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

@@ -19,9 +19,11 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.validation.validate import Rules
-from tests.cache_checks import check_cache, leftovers
-from tests.conftest import S3Registry, call, make_settings
-from tests.processes import SidecarProcess
+from tests.support.api import call
+from tests.support.cache_checks import check_cache, leftovers
+from tests.support.processes import SidecarProcess
+from tests.support.s3 import S3Registry
+from tests.support.settings import make_settings
 
 DURATION_S = 30.0
 CLIENTS = 200

@@ -2,54 +2,19 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import boto3
 import pytest
 
 from sidecar.process.examples import write_adapter
-
-REPO = Path(__file__).resolve().parents[1]
-UPLOAD_SCRIPT = REPO / "compose" / "upload_adapters.py"
-
-
-@dataclass(frozen=True)
-class Bucket:
-    endpoint_url: str
-    name: str
-
-    @property
-    def registry(self) -> str:
-        return f"s3://{self.name}/team/adapters"
-
-    def objects(self) -> dict[str, tuple[str, Any]]:
-        """Key -> (ETag, LastModified) of every object in the bucket."""
-        client = boto3.client("s3", endpoint_url=self.endpoint_url, region_name="us-east-1")
-        listed = client.list_objects_v2(Bucket=self.name).get("Contents", [])
-        return {item["Key"]: (item["ETag"], item["LastModified"]) for item in listed}
+from tests.support.compose_uploader import Bucket, upload
 
 
 @pytest.fixture
 def bucket(moto_server: str) -> Bucket:
     """A bucket name of this test's own on the session's moto server; the script creates it."""
     return Bucket(moto_server, f"upload-{uuid.uuid4().hex[:12]}")
-
-
-def _upload(registry: str, endpoint_url: str, folder: Path, *extra: str,
-            env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """The script as minio-init runs it: registry and endpoint from the sidecar's variables."""
-    env = dict(os.environ, LORA_SIDECAR_REGISTRY=registry,
-               LORA_SIDECAR_S3_ENDPOINT_URL=endpoint_url, **(env or {}))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return subprocess.run([sys.executable, str(UPLOAD_SCRIPT), str(folder), *extra],
-                          env=env, capture_output=True, text=True, timeout=120, check=False)
 
 
 def test_upload_creates_the_bucket_puts_adapters_under_the_prefix_and_reruns_as_noop(
@@ -60,7 +25,7 @@ def test_upload_creates_the_bucket_puts_adapters_under_the_prefix_and_reruns_as_
     write_adapter(adapters / "sql-v1", seed=2, rank=16)
     (adapters / "notes.txt").write_text("a file beside the adapters is not an adapter")
 
-    first = _upload(bucket.registry, bucket.endpoint_url, adapters)
+    first = upload(bucket.registry, bucket.endpoint_url, adapters)
     assert first.returncode == 0, first.stdout + first.stderr
     assert f"created bucket {bucket.name}" in first.stdout
     uploaded = bucket.objects()
@@ -70,7 +35,7 @@ def test_upload_creates_the_bucket_puts_adapters_under_the_prefix_and_reruns_as_
         for name in ("adapter_config.json", "adapter_model.safetensors")
     }
 
-    second = _upload(bucket.registry, bucket.endpoint_url, adapters)
+    second = upload(bucket.registry, bucket.endpoint_url, adapters)
     assert second.returncode == 0, second.stdout + second.stderr
     assert second.stdout.splitlines() == ["unchanged sql-v1", "unchanged support-v1"]
     assert bucket.objects() == uploaded
@@ -81,16 +46,16 @@ def test_upload_keeps_adapter_ids_immutable_unless_told_to_overwrite(
 ) -> None:
     adapters = tmp_path / "adapters"
     write_adapter(adapters / "support-v1", seed=1)
-    assert _upload(bucket.registry, bucket.endpoint_url, adapters).returncode == 0
+    assert upload(bucket.registry, bucket.endpoint_url, adapters).returncode == 0
     before = bucket.objects()
 
     write_adapter(adapters / "support-v1", seed=2)  # same id, new weights
-    refused = _upload(bucket.registry, bucket.endpoint_url, adapters)
+    refused = upload(bucket.registry, bucket.endpoint_url, adapters)
     assert refused.returncode == 1
     assert "refused support-v1: already in the registry with different content" in refused.stdout
     assert bucket.objects() == before
 
-    replaced = _upload(bucket.registry, bucket.endpoint_url, adapters, "--overwrite")
+    replaced = upload(bucket.registry, bucket.endpoint_url, adapters, "--overwrite")
     assert replaced.returncode == 0, replaced.stdout + replaced.stderr
     after = bucket.objects()
     weights = "team/adapters/support-v1/adapter_model.safetensors"
@@ -106,7 +71,7 @@ def test_upload_refuses_what_is_not_an_adapter_and_still_uploads_the_rest(
     (adapters / "no-config-v1").mkdir()
     (adapters / "no-config-v1" / "adapter_model.safetensors").write_bytes(b"\0" * 16)
 
-    result = _upload(bucket.registry, bucket.endpoint_url, adapters)
+    result = upload(bucket.registry, bucket.endpoint_url, adapters)
     assert result.returncode == 1
     assert "refused bad id: not a valid adapter id" in result.stdout
     assert "refused no-config-v1: no adapter_config.json" in result.stdout
@@ -120,7 +85,7 @@ def test_upload_refuses_an_adapter_the_sidecar_would_refuse_with_every_reason(
     write_adapter(adapters / "rank-32-v1", rank=32)
     (adapters / "rank-32-v1" / "new_embeddings.bin").write_bytes(b"pickle")
 
-    result = _upload(bucket.registry, bucket.endpoint_url, adapters)
+    result = upload(bucket.registry, bucket.endpoint_url, adapters)
     assert result.returncode == 1
     refusal = result.stdout.splitlines()[-1]
     assert refusal.startswith("refused rank-32-v1: not a valid adapter: 2 problem(s):")
@@ -129,8 +94,8 @@ def test_upload_refuses_an_adapter_the_sidecar_would_refuse_with_every_reason(
 
     # The same rules as the sidecar's, from the same variables.
     (adapters / "rank-32-v1" / "new_embeddings.bin").unlink()
-    raised = _upload(bucket.registry, bucket.endpoint_url, adapters,
-                     env={"LORA_SIDECAR_MAX_LORA_RANK": "32"})
+    raised = upload(bucket.registry, bucket.endpoint_url, adapters,
+                    env={"LORA_SIDECAR_MAX_LORA_RANK": "32"})
     assert raised.returncode == 0, raised.stdout + raised.stderr
 
 
@@ -139,13 +104,13 @@ def test_upload_without_validation_sends_the_adapter_as_it_is(
 ) -> None:
     adapters = tmp_path / "adapters"
     write_adapter(adapters / "rank-32-v1", rank=32)
-    result = _upload(bucket.registry, bucket.endpoint_url, adapters, "--no-validate")
+    result = upload(bucket.registry, bucket.endpoint_url, adapters, "--no-validate")
     assert result.returncode == 0, result.stdout + result.stderr
     assert len(bucket.objects()) == 2
 
 
 def test_upload_says_what_is_wrong_with_its_arguments(tmp_path: Path) -> None:
-    result = _upload("s3://lora-adapters/adapters", "http://127.0.0.1:9", tmp_path / "missing")
+    result = upload("s3://lora-adapters/adapters", "http://127.0.0.1:9", tmp_path / "missing")
     assert result.returncode == 2
     assert "is not a folder" in result.stderr
 
@@ -153,7 +118,7 @@ def test_upload_says_what_is_wrong_with_its_arguments(tmp_path: Path) -> None:
 def test_upload_checks_signatures_under_the_sidecars_signing_policy(
     bucket: Bucket, tmp_path: Path
 ) -> None:
-    from tests.signing_keys import key_policy, make_key, sign_with_key
+    from tests.support.signing_keys import key_policy, make_key, sign_with_key
 
     key = make_key(tmp_path / "keys", "acme-2026")
     policy = key_policy(tmp_path, key, match='prefix = "acme-"')
@@ -162,8 +127,8 @@ def test_upload_checks_signatures_under_the_sidecars_signing_policy(
     sign_with_key(adapters / "acme-signed-v1", key)
     write_adapter(adapters / "acme-unsigned-v1", seed=1)
 
-    result = _upload(bucket.registry, bucket.endpoint_url, adapters,
-                     env={"LORA_SIDECAR_SIGNING_POLICY": str(policy)})
+    result = upload(bucket.registry, bucket.endpoint_url, adapters,
+                    env={"LORA_SIDECAR_SIGNING_POLICY": str(policy)})
 
     assert result.returncode == 1
     assert "refused acme-unsigned-v1: not a valid adapter" in result.stdout

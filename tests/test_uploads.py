@@ -14,9 +14,11 @@ from pathlib import Path
 import aiohttp
 
 from sidecar.process.examples import write_adapter
-from tests.conftest import S3Registry, StartSidecar, call, make_settings
-from tests.observing import eventually
-from tests.processes import SidecarProcess
+from tests.support.api import StartSidecar, call
+from tests.support.observing import eventually
+from tests.support.processes import SidecarProcess
+from tests.support.s3 import S3Registry
+from tests.support.settings import make_settings
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"

@@ -35,21 +35,21 @@ from sidecar.validation.validate import (
     summarize,
     validate_adapter,
 )
-from tests.broken_adapters import CONFIG, CORPUS, WEIGHTS, BrokenAdapter, edit_config, write_parts
+from tests.support.broken_adapters import (
+    CONFIG,
+    CORPUS,
+    WEIGHTS,
+    BrokenAdapter,
+    edit_config,
+    write_parts,
+)
+from tests.support.observing import bytes_read_by_process
 
 ALL_LINEAR = ATTENTION_MODULES + MLP_MODULES
 
 
 def codes(problems: list[Problem]) -> set[str]:
     return {p.code for p in problems}
-
-
-def bytes_read_by_process() -> int:
-    """Bytes this process has read through read(2) and friends (mmap is not counted)."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("rchar:"):
-            return int(line.split()[1])
-    raise AssertionError("no rchar in /proc/self/io")
 
 
 @pytest.mark.parametrize("case", CORPUS, ids=lambda case: case.name)

@@ -19,8 +19,8 @@ from sidecar.process.examples import write_adapter
 from sidecar.validation.safetensors_check import HEADER_MAX_BYTES
 from sidecar.validation.shapes import ATTENTION_MODULES, MLP_MODULES
 from sidecar.validation.validate import Problem, Rules, validate_adapter
-from tests.broken_adapters import CONFIG, WEIGHTS
-from tests.test_validate import bytes_read_by_process
+from tests.support.broken_adapters import CONFIG, WEIGHTS
+from tests.support.observing import bytes_read_by_process
 
 # Reads besides the header and the config: /proc/self/io itself and small directory reads.
 SLACK_BYTES = 16 * 1024

@@ -15,9 +15,10 @@ import aiohttp
 from sidecar.cache.records import RECORD_NAME
 from sidecar.process.app import Sidecar
 from sidecar.process.examples import write_adapter
-from tests.broken_adapters import CORPUS
-from tests.conftest import StartSidecar, call, local_registry_adapter, make_settings, stage_ok
-from tests.observing import eventually, scrape
+from tests.support.api import StartSidecar, call, stage_ok
+from tests.support.broken_adapters import CORPUS
+from tests.support.observing import eventually, scrape
+from tests.support.settings import local_registry_adapter, make_settings
 
 TRUNCATED = next(case for case in CORPUS if case.name == "truncated_file")
 

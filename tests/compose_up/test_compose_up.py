@@ -49,7 +49,7 @@ from tests.engine.harness import (
     EngineAssets,
     find_vllm_backend,
 )
-from tests.processes import free_port
+from tests.support.processes import free_port
 
 COMPOSE = REPO_ROOT / "compose"
 CLIENT = COMPOSE / "client.py"

@@ -30,7 +30,7 @@ from tests.engine.harness import (
     engine_processes,
     tree_rss_bytes,
 )
-from tests.processes import SidecarProcess
+from tests.support.processes import SidecarProcess
 from tests.triton.harness import ROUTER, VLLM_MODEL, TritonServer, router_config
 
 PREFIX = "lora"

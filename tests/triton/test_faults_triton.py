@@ -19,9 +19,11 @@ import tritonclient.grpc.aio as grpcclient
 
 from sidecar.process.app import Sidecar
 from sidecar.validation.shapes import TINY_LLAMA
-from tests.conftest import S3Registry, StartSidecar, call, s3_settings
-from tests.triton.conftest import StartNodeSidecar, TritonNode, ask, start_triton_node
+from tests.support.api import StartSidecar, call
+from tests.support.s3 import S3Registry
+from tests.support.settings import s3_settings
 from tests.triton.harness import free_port
+from tests.triton.node import StartNodeSidecar, TritonNode, ask, start_triton_node
 from tests.triton.standin_vllm.answer import expected_text
 from tests.triton.triton_proxy import TritonProxy
 

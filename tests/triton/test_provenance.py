@@ -16,13 +16,15 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 
 from sidecar.process.examples import write_adapter
-from tests.conftest import S3Registry, StartSidecar, make_settings
-from tests.signing_keys import key_policy, make_key, sign_with_key
-from tests.triton.conftest import StartNodeSidecar, TritonNode
-from tests.triton.harness import ROUTER
+from tests.support.api import StartSidecar
+from tests.support.s3 import S3Registry
+from tests.support.settings import make_settings
+from tests.support.signing_keys import key_policy, make_key, sign_with_key
+from tests.triton.harness import ROUTER, import_router
+from tests.triton.node import StartNodeSidecar, TritonNode
 from tests.triton.standin_vllm.answer import expected_text
-from tests.triton.test_routing import routing
 
+routing = import_router()
 WEIGHTS = "adapter_model.safetensors"
 
 

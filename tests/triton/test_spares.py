@@ -22,15 +22,17 @@ from tritonclient.utils import InferenceServerException
 from sidecar.catalog.disk import NoopAdapter
 from sidecar.validation.options import LLAMA_TARGET_MODULES
 from sidecar.validation.shapes import TINY_LLAMA
-from tests.conftest import S3Registry, StartSidecar, call, s3_settings
-from tests.triton.conftest import (
+from tests.support.api import StartSidecar, call
+from tests.support.s3 import S3Registry
+from tests.support.settings import s3_settings
+from tests.triton.harness import ROUTER, TritonServer, router_config
+from tests.triton.node import (
     StartNodeSidecar,
     TritonNode,
     ask,
     direct_call,
     start_triton_node,
 )
-from tests.triton.harness import ROUTER, TritonServer, router_config
 from tests.triton.standin_vllm.answer import expected_text
 from tests.triton.triton_proxy import TritonProxy
 

@@ -17,9 +17,10 @@ from tritonclient.utils import InferenceServerException
 from compose import client as compose_client
 from sidecar.config import TritonReload
 from sidecar.process.app import Sidecar
-from tests.conftest import S3Registry, call
-from tests.triton.conftest import StartNodeSidecar, TritonNode, ask, direct_call
+from tests.support.api import call
+from tests.support.s3 import S3Registry
 from tests.triton.harness import ROUTER, VLLM_MODEL, router_config
+from tests.triton.node import StartNodeSidecar, TritonNode, ask, direct_call
 from tests.triton.standin_vllm.answer import expected_text
 
 WEIGHTS = "adapter_model.safetensors"

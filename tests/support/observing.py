@@ -1,5 +1,6 @@
 """Watching the sidecar from outside, as an operator would: poll until something holds (with a
-deadline, never a fixed sleep), and read /metrics with Prometheus's own text parser."""
+deadline, never a fixed sleep), read /metrics with Prometheus's own text parser, and count the
+bytes this process has read."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import aiohttp
@@ -75,3 +77,11 @@ async def scrape(http: aiohttp.ClientSession, base_url: str) -> Scrape:
         assert response.status == 200
         assert response.headers["Content-Type"].startswith("text/plain")
         return parse_metrics(await response.text())
+
+
+def bytes_read_by_process() -> int:
+    """Bytes this process has read through read(2) and friends (mmap is not counted)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")

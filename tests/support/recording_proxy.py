@@ -2,7 +2,7 @@
 line of every request it receives to a log file and answers 502. Tests point http_proxy and
 friends at it to prove a call never went through a proxy.
 
-    python -m tests.recording_proxy LOG_FILE PORT_FILE
+    python -m tests.support.recording_proxy LOG_FILE PORT_FILE
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from tests.proxy_process import ProxyProcess
+from tests.support.proxy_process import ProxyProcess
 
 _lock = threading.Lock()
 

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.support.paths import REPO
+
 PROXY_VARIABLES = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy",
                    "ALL_PROXY")
 
@@ -22,7 +24,7 @@ class ProxyProcess:
         port_file = workdir / "proxy-port"
         port_file.unlink(missing_ok=True)
         self.process = subprocess.Popen([sys.executable, "-m", module, str(self.log_file),
-                                         str(port_file)], cwd=Path(__file__).parent.parent)
+                                         str(port_file)], cwd=REPO)
         deadline = time.monotonic() + 20
         while not (port_file.exists() and port_file.read_text()):
             if self.process.poll() is not None or time.monotonic() > deadline:

@@ -2,7 +2,7 @@
 appends each request line it carried ("GET http://host:port/path") to a log file. Tests point
 http_proxy and friends at it to see which calls went through a proxy and which did not.
 
-    python -m tests.forward_proxy LOG_FILE PORT_FILE
+    python -m tests.support.forward_proxy LOG_FILE PORT_FILE
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from tests.proxy_process import ProxyProcess
+from tests.support.proxy_process import ProxyProcess
 
 HOP_HEADERS = {"connection", "keep-alive", "proxy-connection", "proxy-authorization",
                "proxy-authenticate", "te", "trailer", "transfer-encoding", "upgrade"}

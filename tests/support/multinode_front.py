@@ -4,7 +4,8 @@ sidecar and releases it with the router's own code (triton_repo/.../routing.py),
 with Triton's HTTP statuses (UNAVAILABLE 503, NOT_FOUND 404, INVALID_ARG 400, INTERNAL 500).
 "Generation" checks that the adapter's files are on disk while the lease holds them.
 
-    python tests/multinode_front.py --listen 127.0.0.2:8000 --sidecar http://127.0.0.1:8500 \\
+    python tests/support/multinode_front.py --listen 127.0.0.2:8000 \\
+        --sidecar http://127.0.0.1:8500 \\
         --cache-root /path/to/cache --name node-2
 """
 
@@ -19,7 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "triton_repo" / "multilora_router"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "triton_repo" / "multilora_router"
                        / "1"))
 import routing
 
