@@ -281,7 +281,7 @@ def node(docker: Docker, images: Images, compose_assets: EngineAssets,
                              env_file, workdir)
     compose_notes.append("grafana left out: its image (grafana/grafana) cannot be pulled and "
                          "Debian has no package of it; its dashboard's queries are checked "
-                         "against Prometheus and the sidecar in tests/test_compose.py")
+                         "against Prometheus and the sidecar in tests/project/test_compose.py")
     start, since = time.monotonic(), time.time()
     try:
         project.run("up", "--detach", "--no-build", *SERVICES, timeout_s=NODE_TIMEOUT_S)

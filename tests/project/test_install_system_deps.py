@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "install-system-deps.sh"
+from tests.support.paths import REPO
+
+SCRIPT = REPO / "scripts" / "install-system-deps.sh"
 # What the script itself runs, taken from this machine; what it would write outside the test's
 # folders with (policy-rc.d) is a stand-in that does nothing.
 TOOLS = ("bash", "sed", "sort", "tr", "id", "dirname", "grep", "cat")

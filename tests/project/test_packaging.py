@@ -9,8 +9,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
+from tests.support.paths import REPO
 
 BANNERS = ("DeprecationWarning", "InformationOnly", "BuildBackendWarning")
 

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 from tests.support.api import api_error_codes
+from tests.support.paths import REPO
 from tests.support.processes import free_port, http_status
 
-REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 
 

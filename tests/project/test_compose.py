@@ -24,10 +24,10 @@ import yaml
 from sidecar.config import OPTIONS, Settings, TritonReload
 from sidecar.process.examples import write_adapter
 from sidecar.validation.shapes import TINY_LLAMA
+from tests.support.paths import REPO
 from tests.support.processes import SidecarProcess, stage_blocking
 from tests.triton.harness import import_router
 
-REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "compose"
 COMPOSE_FILE = COMPOSE / "docker-compose.yml"
 GPU_PROFILE = COMPOSE / "docker-compose.gpu.yml"

@@ -1,23 +1,19 @@
 """What the sidecar offers a cluster of nodes: the adapter set for an endpoint picker on
-/metrics/epp, a read-only listener for metrics and probes on another address, and the model
-repository seeded into the cache volume."""
+/metrics/epp, and a read-only listener for metrics and probes on another address. (The model
+repository seeded into the cache volume: tests/unit/process/test_seed.py.)"""
 
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.process.app import Sidecar
-from sidecar.process.seed import REPOSITORY_DIR, seed_model_repository
 from tests.support.api import StartSidecar, call
 from tests.support.s3 import S3Registry
 from tests.support.settings import make_settings, s3_settings
-from tests.triton.harness import TRITON_REPO
 
 EPP_METRIC = "lora_sidecar_lora_requests_info"
 
@@ -150,40 +146,3 @@ async def test_the_read_only_listener_serves_metrics_and_probes_and_nothing_else
                        "/adapters": 404, "/catalog": 404}
     assert (stage, evict) == (404, 404)
     assert (await call(http, "GET", f"{sidecar.url}/adapters"))[0] == 200  # the API is as was
-
-
-def test_seeding_copies_the_template_and_later_writes_only_what_differs(tmp_path: Path) -> None:
-    target = tmp_path / "cache" / REPOSITORY_DIR
-
-    first = seed_model_repository(TRITON_REPO, target)
-    link = target / "vllm_model" / "1" / "multi_lora.json"
-    config = target / "multilora_router" / "config.pbtxt"
-    stamps = {p: p.lstat().st_mtime_ns for p in (link, config)}
-    second = seed_model_repository(TRITON_REPO, target)
-
-    assert first >= 5
-    assert link.is_symlink()
-    assert os.readlink(link) == os.readlink(TRITON_REPO / "vllm_model" / "1" / "multi_lora.json")
-    assert config.read_bytes() == (TRITON_REPO / "multilora_router" / "config.pbtxt").read_bytes()
-    assert second == 0  # a restart rewrites nothing, so Triton sees no changed file
-    assert {p: p.lstat().st_mtime_ns for p in (link, config)} == stamps
-    assert not list(target.rglob("__pycache__"))
-    assert not list(target.rglob(".*.seeding"))
-
-
-async def test_the_sidecar_seeds_the_repository_before_it_listens(
-    tmp_path: Path, start_sidecar: StartSidecar
-) -> None:
-    template = tmp_path / "template"
-    (template / "m" / "1").mkdir(parents=True)
-    (template / "m" / "config.pbtxt").write_text('backend: "python"\n')
-    (template / "m" / "1" / "model.py").write_text("old\n")
-    seeded = tmp_path / "cache" / REPOSITORY_DIR / "m" / "1" / "model.py"
-    seeded.parent.mkdir(parents=True)
-    seeded.write_text("stale\n")
-
-    sidecar: Sidecar = await start_sidecar(make_settings(tmp_path, seed_model_repository=template))
-
-    assert sidecar.port != 0
-    assert seeded.read_text() == "old\n"
-    assert (seeded.parents[1] / "config.pbtxt").read_text() == 'backend: "python"\n'

@@ -20,8 +20,8 @@ import yaml
 from sidecar.config import Settings
 from sidecar.core.net import is_loopback
 from sidecar.process.seed import REPOSITORY_DIR
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "deploy" / "k8s"
 OVERLAYS = sorted(p.parent.relative_to(K8S).as_posix() for p in K8S.rglob("kustomization.yaml"))
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:26.01-vllm-python-py3"

@@ -1,7 +1,7 @@
 """Answers the sidecar remembers instead of asking again: a refusal says that it is remembered
 and until when, holds only for the files it judged (a new upload is judged afresh), and `evict`
-forgets it; an unknown id costs one registry listing per
---not-found-ttl, not one per request; an unpinned pin stops holding readiness back."""
+forgets it; an unknown id costs one registry listing per --not-found-ttl, not one per request.
+(A pin still waiting, unpinned: tests/unit/cache/test_pins.py.)"""
 
 from __future__ import annotations
 
@@ -137,27 +137,3 @@ async def test_an_unknown_id_costs_one_listing_per_not_found_ttl_and_an_upload_i
         assert time.monotonic() - uploaded < ttl_s + 1, "the upload was not found in time"
         await asyncio.sleep(0.05)
     assert listings_of(s3, "ghost") == 2  # listed again once the answer expired, not before
-
-
-async def test_unpinning_a_pin_still_pending_makes_the_sidecar_ready(
-    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
-) -> None:
-    local_registry_adapter(tmp_path, "ok")
-    local_registry_adapter(tmp_path, "refused", rank=32)  # can never be staged as it is
-    sidecar = await start_sidecar(make_settings(tmp_path, pin=("refused",)))
-    for _ in range(100):
-        status, ready = await call(http, "GET", f"{sidecar.url}/readyz")
-        if "pin refused" in ready.get("message", ""):
-            break
-        await asyncio.sleep(0.05)
-    assert status == 503 and "pin refused: invalid_adapter" in ready["message"], ready
-
-    status, body = await call(http, "POST", f"{sidecar.url}/unpin", {"adapter_id": "refused"})
-    assert status == 200 and body["was_pinned"] is True, body
-    status, ready = await call(http, "GET", f"{sidecar.url}/readyz")
-    assert status == 200, ready
-    tasks = {task.get_name() for task in asyncio.all_tasks()}
-    assert "pin:refused" not in tasks, "the pin is still being retried"
-    status, body = await call(http, "POST", f"{sidecar.url}/stage",
-                              {"adapter_id": "ok", "lease": False})
-    assert status == 200

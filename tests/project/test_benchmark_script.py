@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.options import PHASES, missing_prerequisites
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
 
 
 def test_help_answers_without_building_anything(tmp_path: Path) -> None:

@@ -35,11 +35,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.process.examples import write_adapter
 from sidecar.validation.shapes import TINY_LLAMA
+from tests.support.paths import REPO
 from tests.support.processes import SidecarProcess, http_status
 from tests.triton.harness import HEADER_FORWARD_ARGS, ROUTER, TritonServer, router_config
 from tests.triton.standin_vllm.answer import weights_digest
 
-REPO = Path(__file__).resolve().parents[1]
 OVERLAY_CONFIG = REPO / "deploy" / "k8s" / "overlays" / "haproxy" / "haproxy.cfg"
 ADAPTERS = 200
 REQUESTS = 8000
