@@ -27,9 +27,9 @@ from tests.support.ecosystem_adapters import (
     write_trainer_checkpoint,
     write_trainer_output,
 )
-from tests.support.observing import eventually
 from tests.support.s3 import S3Registry
 from tests.support.settings import make_settings, s3_settings
+from tests.support.waiting import eventually
 
 LAYOUTS: dict[str, Callable[..., None]] = {
     "hf-download-v1": write_hf_download,

@@ -3,18 +3,17 @@ operator eviction."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 
 import aiohttp
 
 from sidecar.process.app import Sidecar
-from tests.support.api import StartSidecar, call, stage_ok
-from tests.support.observing import eventually
+from tests.support.api import StartSidecar, call, readiness, stage_ok
 from tests.support.s3 import S3Registry
 from tests.support.s3proxy import drop_connection
 from tests.support.settings import local_registry_adapter, make_settings, s3_settings
+from tests.support.waiting import eventually
 
 
 def cached_ids(tmp_path: Path) -> set[str]:
@@ -98,11 +97,9 @@ async def test_lease_expires_after_its_ttl_and_the_adapter_becomes_evictable(
     status, body = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "a"})
     assert status == 409
 
-    for _ in range(100):  # the expiry task runs every second at most
-        if sidecar.store.snapshot().active_leases == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert sidecar.store.snapshot().active_leases == 0
+    # The expiry task runs every second at most.
+    await eventually(lambda: sidecar.store.snapshot().active_leases == 0, timeout_s=5,
+                     what="the lease expired")
     status, body = await call(http, "POST", f"{sidecar.url}/release",
                               {"lease_id": answer["lease_id"]})
     assert status == 404
@@ -180,12 +177,7 @@ async def test_pinned_adapters_are_staged_at_start_and_never_evicted(
     for i, adapter_id in enumerate(("pinned", "b", "c")):
         local_registry_adapter(tmp_path, adapter_id, seed=i)
     sidecar = await start_sidecar(make_settings(tmp_path, max_adapters=2, pin=("pinned",)))
-    for _ in range(200):
-        status, ready = await call(http, "GET", f"{sidecar.url}/readyz")
-        if status == 200:
-            break
-        await asyncio.sleep(0.02)
-    assert status == 200, ready
+    await readiness(http, sidecar.url, status=200, timeout_s=10)
     assert cached_ids(tmp_path) == {"pinned"}
 
     await stage_ok(http, sidecar, "b", lease=False)
@@ -231,10 +223,5 @@ async def test_readyz_waits_for_a_pin_while_the_registry_cannot_be_asked(
 
     s3.put_adapter("later")
     s3.proxy.fault = None
-    for _ in range(300):
-        status, body = await call(http, "GET", f"{sidecar.url}/readyz")
-        if status == 200:
-            break
-        await asyncio.sleep(0.1)
-    assert status == 200, body
+    await readiness(http, sidecar.url, status=200, timeout_s=30)
     assert cached_ids(tmp_path) == {"later"}

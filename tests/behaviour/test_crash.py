@@ -85,7 +85,9 @@ class Trigger:
         return any((self.cache / ".trash").iterdir())  # an evicted folder awaits deletion
 
     def _poll(self) -> None:
-        """Every 0.2 ms (these windows last a few milliseconds) until the moment comes."""
+        """Every 0.2 ms (these windows last a few milliseconds) until the moment comes. Not a
+        wait of the test's, so not `eventually`: a trigger that races the sidecar for a window
+        it may never open, with no deadline of its own; disarm() stops it."""
         while not self._stop.is_set() and not self.fired.is_set():
             if self._moment_has_come():
                 self.fire()

@@ -8,7 +8,6 @@ import asyncio
 import errno
 import os
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ from sidecar.config import Settings
 from sidecar.process.app import Sidecar
 from sidecar.validation.shapes import ModelShapes
 from sidecar.validation.validate import Rules
-from tests.support.api import StartSidecar, call
+from tests.support.api import StartSidecar, call, readiness
 from tests.support.cache_checks import check_cache, folder_bytes
 from tests.support.s3 import S3Registry
 from tests.support.s3proxy import Seen, drop_connection, is_object_get
@@ -95,19 +94,6 @@ def fill(folder: Path) -> Path:
 async def stage(http: aiohttp.ClientSession, sidecar: Sidecar, adapter_id: str,
                 **extra: Any) -> tuple[int, Any]:
     return await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": adapter_id, **extra})
-
-
-async def readiness_becomes(http: aiohttp.ClientSession, sidecar: Sidecar, status: int,
-                            mentioning: str = "", within_s: float = 10.0) -> Any:
-    """/readyz's answer once it has `status` and its message mentions `mentioning` (the health
-    loop runs on its own timer)."""
-    deadline = time.monotonic() + within_s
-    while True:
-        got, body = await call(http, "GET", f"{sidecar.url}/readyz")
-        if got == status and mentioning in body.get("message", ""):
-            return body
-        assert time.monotonic() < deadline, f"/readyz stayed {got}: {body}"
-        await asyncio.sleep(0.05)
 
 
 def assert_consistent(settings: Settings, sources: dict[str, dict[str, bytes]]) -> set[str]:
@@ -211,11 +197,11 @@ async def test_a_read_only_cache_root_fails_readiness_with_the_reason_and_serves
     settings = s3_settings(tmp_path, s3, cache_root=volume)
     sidecar = await start_sidecar(settings)
     assert (await stage(http, sidecar, "small", lease=False))[0] == 200
-    await readiness_becomes(http, sidecar, 200)
+    await readiness(http, sidecar.url, status=200)
 
     remount(volume, "ro")
     try:
-        body = await readiness_becomes(http, sidecar, 503, "not writable")
+        _, body = await readiness(http, sidecar.url, status=503, mentioning="not writable")
         assert body["error"] == "not_ready"
         assert "not writable" in body["message"] and "Read-only file system" in body["message"]
         status, hit = await stage(http, sidecar, "small")
@@ -227,7 +213,7 @@ async def test_a_read_only_cache_root_fails_readiness_with_the_reason_and_serves
     finally:
         remount(volume, "rw")
 
-    await readiness_becomes(http, sidecar, 200)
+    await readiness(http, sidecar.url, status=200)
     status, body = await stage(http, sidecar, "other")
     assert status == 200, body
     assert assert_consistent(settings, {"small": small, "other": other}) == {"small", "other"}
@@ -252,7 +238,7 @@ async def test_storage_down_at_start_up_serves_the_cache_and_recovers_without_a_
 
     status, hit = await stage(http, sidecar, "cached")
     assert status == 200 and hit["cached"] is True
-    body = await readiness_becomes(http, sidecar, 503, "registry:")
+    _, body = await readiness(http, sidecar.url, status=503, mentioning="registry:")
     assert s3.endpoint_url in body["message"]
     status, refused = await stage(http, sidecar, "later")
     assert status == 503, refused
@@ -260,7 +246,7 @@ async def test_storage_down_at_start_up_serves_the_cache_and_recovers_without_a_
     assert refused["cause"] in ("endpoint", "connection")
 
     s3.proxy.fault = None  # storage is back
-    await readiness_becomes(http, sidecar, 200)
+    await readiness(http, sidecar.url, status=200)
     status, body = await stage(http, sidecar, "later")
     assert status == 200, body
     assert assert_consistent(settings, {"cached": cached, "later": later}) == {"cached", "later"}

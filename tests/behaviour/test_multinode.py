@@ -21,7 +21,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -37,6 +36,7 @@ from sidecar.process.examples import write_adapter
 from sidecar.validation.shapes import TINY_LLAMA
 from tests.support.paths import REPO
 from tests.support.processes import SidecarProcess, http_status
+from tests.support.waiting import eventually_blocking
 from tests.triton.harness import HEADER_FORWARD_ARGS, ROUTER, TritonServer, router_config
 from tests.triton.standin_vllm.answer import weights_digest
 
@@ -54,6 +54,8 @@ KILLED_NODE = 2
 # Every node "generates" for this long (the stand-in for vLLM in Triton, the front elsewhere),
 # as an engine does: nodes then differ by their cache, not by how fast their front answers.
 GENERATION_S = 0.1
+# How often the processes of the cluster (moto, HAProxy, the nodes) are asked how they are.
+PROCESS_POLL_S = 0.1
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -91,7 +93,8 @@ class MotoProcess:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                 stdout=log, stderr=subprocess.STDOUT)
-        wait_until(lambda: http_status(self.url + "/moto-api/") == 200, 30, "moto")
+        eventually_blocking(lambda: http_status(self.url + "/moto-api/") == 200, timeout_s=30,
+                            what="moto", poll_s=PROCESS_POLL_S)
         self.client = boto3.client("s3", endpoint_url=self.url, region_name="us-east-1",
                                    aws_access_key_id="testing", aws_secret_access_key="testing")
         self.client.create_bucket(Bucket=self.bucket)
@@ -196,13 +199,15 @@ class Cluster:
                      "--sidecar", node.sidecar.url, "--cache-root", str(node.cache_root),
                      "--name", f"node-{node.index}", "--generate-s", str(GENERATION_S)],
                     stdout=subprocess.DEVNULL, stderr=log)
-        wait_until(lambda: http_status(f"http://{node.address}:{self.metrics_port}/readyz")
-                   == 200, 60, f"node {node.index}'s sidecar ready")
+        eventually_blocking(
+            lambda: http_status(f"http://{node.address}:{self.metrics_port}/readyz") == 200,
+            timeout_s=60, what=f"node {node.index}'s sidecar ready", poll_s=PROCESS_POLL_S)
         if node.index == TRITON_NODE:
-            wait_until(lambda: catalog_loaded(node), 60, "Triton loading the catalog")
-        wait_until(lambda: http_status(f"http://{node.address}:{self.front_port}"
-                                       "/v2/health/ready") == 200, 30,
-                   f"node {node.index}'s front")
+            eventually_blocking(lambda: catalog_loaded(node), timeout_s=60,
+                                what="Triton loading the catalog", poll_s=PROCESS_POLL_S)
+        eventually_blocking(
+            lambda: http_status(f"http://{node.address}:{self.front_port}/v2/health/ready")
+            == 200, timeout_s=30, what=f"node {node.index}'s front", poll_s=PROCESS_POLL_S)
 
     def kill_node(self, node: Node) -> None:
         assert node.front is not None and node.sidecar is not None
@@ -222,8 +227,9 @@ class Cluster:
 
             # A request HAProxy gave up on and sent elsewhere may still hold its lease here:
             # its adapter cannot be evicted until that request ends.
-            wait_until(lambda: listing()["cache"]["active_leases"] == 0, 60,
-                       f"node {node.index}'s requests in flight to end")
+            eventually_blocking(lambda: listing()["cache"]["active_leases"] == 0, timeout_s=60,
+                                what=f"node {node.index}'s requests in flight to end",
+                                poll_s=PROCESS_POLL_S)
             cached = [a["adapter_id"] for a in listing()["adapters"]]
             for adapter_id in cached:
                 request = urllib.request.Request(
@@ -268,7 +274,8 @@ class Cluster:
         with (self.workdir / "haproxy.log").open("ab") as log:
             self.haproxy = subprocess.Popen(["haproxy", "-db", "-f", str(path)],
                                             stdout=subprocess.DEVNULL, stderr=log)
-        wait_until(lambda: self.servers_up() == len(self.nodes), 30, "HAProxy's servers up")
+        eventually_blocking(lambda: self.servers_up() == len(self.nodes), timeout_s=30,
+                            what="HAProxy's servers up", poll_s=PROCESS_POLL_S)
 
     def stop_haproxy(self) -> None:
         if self.haproxy is not None and self.haproxy.poll() is None:
@@ -316,15 +323,6 @@ def catalog_loaded(node: Node) -> bool:
         return False
     return bool(catalog["generation"]
                 and catalog["triton"].get("loaded_generation") == catalog["generation"])
-
-
-def wait_until(condition: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.1)  # polling processes that give no event to wait on
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def haproxy_config(balance: str, port: int, stats_port: int, front_port: int,
@@ -543,7 +541,8 @@ def test_adapter_affinity_routing_across_four_nodes(cluster: Cluster) -> None:
 
     def restart(completed: Any) -> None:
         cluster.start_node(killed)
-        wait_until(lambda: cluster.servers_up() == len(cluster.nodes), 30, "the node back")
+        eventually_blocking(lambda: cluster.servers_up() == len(cluster.nodes), timeout_s=30,
+                            what="the node back", poll_s=PROCESS_POLL_S)
         back_at.append(completed())
 
     marks = {1000: kill, 2000: restart}

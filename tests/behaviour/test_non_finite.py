@@ -26,10 +26,11 @@ from sidecar.registry.checksum import crc32_hex
 from sidecar.registry.transfer import TransferPolicy, part_starts
 from sidecar.validation.shapes import ModelShapes
 from tests.support.api import StartSidecar, call, stage_ok
-from tests.support.observing import eventually, scrape
+from tests.support.observing import scrape
 from tests.support.processes import SidecarProcess, stage_blocking
 from tests.support.s3 import S3Registry
 from tests.support.settings import local_registry_adapter, make_settings, s3_settings
+from tests.support.waiting import eventually
 
 CHECK_VALUES = Check.VALUES  # what a record lists once every tensor value was read
 WEIGHTS = "adapter_model.safetensors"

@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 
 from tests.support.api import StartSidecar, call
-from tests.support.observing import eventually
 from tests.support.settings import local_registry_adapter, make_settings
+from tests.support.waiting import eventually
 
 StartPrometheus = Callable[[str], str]  # scrape target host:port -> Prometheus base URL
 

@@ -10,7 +10,6 @@ import functools
 import os
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -30,6 +29,7 @@ from tests.support.proxy_process import PROXY_VARIABLES
 from tests.support.s3 import S3Registry
 from tests.support.s3proxy import S3Proxy, Seen, is_object_get, s3_error
 from tests.support.settings import make_settings, s3_settings
+from tests.support.waiting import eventually
 
 WEIGHTS = "adapter_model.safetensors"
 # About 12 MB of weights: several ranged parts.
@@ -68,7 +68,10 @@ async def test_connections_a_front_end_closed_while_idle_never_fail_a_stage(
     assert status == 200, body  # both pools now hold keep-alive connections
     first = {s.peer for s in idle_closing_front_end.seen}
 
-    await asyncio.sleep(1.5)  # the front end closes every one of them
+    async def all_closed() -> bool:
+        return await idle_closing_front_end.open_connections() == 0
+
+    await eventually(all_closed, timeout_s=10, what="the front end closing every one of them")
 
     answers = await asyncio.gather(*(
         call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": adapter_id})
@@ -96,7 +99,8 @@ async def test_a_connection_idle_longer_than_the_limit_is_not_reused(
                                   {"adapter_id": adapter_id})
         assert status == 200, body
     assert ranged_peers("b-v1") & ranged_peers("a-v1")
-    await asyncio.sleep(3.0)
+    # Time passing is the point: the pooled connections idle past IDLE_MAX_S.
+    await asyncio.sleep(httpranges.IDLE_MAX_S + 1.0)
     status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "c-v1"})
     assert status == 200, body
     assert not ranged_peers("c-v1") & (ranged_peers("a-v1") | ranged_peers("b-v1"))
@@ -286,9 +290,7 @@ async def test_an_endpoint_that_answers_404_without_an_s3_error_is_named_not_s3(
         text = str(ready)
         return text if status == 503 and "is it an S3 endpoint?" in text else None
 
-    deadline = time.monotonic() + 10
-    while await not_ready_says_why() is None:
-        assert time.monotonic() < deadline, "readyz never named the endpoint's fault"
-        await asyncio.sleep(0.2)
+    await eventually(not_ready_says_why, timeout_s=10, poll_s=0.2,
+                     what="readyz naming the endpoint's fault")
     assert "changed or vanished" not in caplog.text
     assert "of None" not in caplog.text

@@ -15,10 +15,11 @@ import pytest
 
 from sidecar.process.app import Sidecar
 from tests.support.api import StartSidecar, call
-from tests.support.observing import eventually, scrape
+from tests.support.observing import scrape
 from tests.support.processes import SidecarProcess
 from tests.support.s3 import S3Registry
 from tests.support.settings import local_registry_adapter, make_settings, s3_settings
+from tests.support.waiting import eventually
 
 GAUGE = "lora_sidecar_registry_skipped_folders"
 

@@ -15,6 +15,7 @@ from tests.support.api import StartSidecar, call
 from tests.support.processes import SidecarProcess, stage_blocking
 from tests.support.s3 import S3Registry
 from tests.support.settings import local_registry_adapter, make_settings
+from tests.support.waiting import eventually
 
 
 async def test_restart_reindexes_records_and_cleans_staging_and_trash(
@@ -93,15 +94,16 @@ async def test_sigkill_during_a_large_download_leaves_nothing_partial(
     sidecar_processes.append(first)
 
     stage = asyncio.create_task(asyncio.to_thread(stage_blocking, first.url, "big", 60))
-    partial = None
-    for _ in range(400):  # until some but not all bytes are on disk
+
+    def some_bytes_on_disk() -> Path | None:
         written = [p for p in (cache / ".staging").glob("big.*/adapter_model.safetensors")]
         if written and 0 < os.stat(written[0]).st_blocks * 512 and s3.proxy.gets("big/adapter"):
-            partial = written[0]
-            break
-        await asyncio.sleep(0.025)
-    assert partial is not None, "the download never started"
-    await asyncio.sleep(0.3)
+            return written[0]
+        return None
+
+    # Until some but not all bytes are on disk.
+    await eventually(some_bytes_on_disk, timeout_s=10, poll_s=0.025,
+                     what="the download started")
     first.kill()
     with pytest.raises(OSError):
         await stage

@@ -14,7 +14,6 @@ import re
 import secrets
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from urllib.parse import quote
 
 import aiohttp
 import pytest
+from aiohttp import web
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -35,6 +35,7 @@ from tests.support.api import StartSidecar, call
 from tests.support.processes import SidecarProcess, free_port
 from tests.support.s3 import S3Registry, set_moto_auth
 from tests.support.settings import local_registry_adapter, make_settings, s3_settings
+from tests.support.waiting import eventually
 
 TOKEN = "tok-" + secrets.token_hex(16)
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
@@ -304,15 +305,24 @@ async def test_a_body_that_stops_arriving_is_408_json(
 
 async def test_a_caller_hanging_up_mid_body_is_no_error_and_the_sidecar_keeps_serving(
     tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    reading = asyncio.Event()
+    read_body = api._read_body
+
+    async def read_body_noted(request: web.Request) -> bytes:
+        reading.set()  # the handler goes on to wait for the rest before this test runs again
+        return await read_body(request)
+
+    monkeypatch.setattr(api, "_read_body", read_body_noted)
     local_registry_adapter(tmp_path, "a")
     sidecar = await start_sidecar(make_settings(tmp_path))
     for _ in range(3):
+        reading.clear()
         _, writer = await asyncio.open_connection("127.0.0.1", sidecar.port)
         writer.write(_stage_head(100) + b'{"adapter_id": ')
         await writer.drain()
-        await asyncio.sleep(0.1)  # the handler is now waiting for the rest
+        await asyncio.wait_for(reading.wait(), 10)  # the handler is now waiting for the rest
         writer.transport.abort()
     status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "a"})
     assert status == 200, body
@@ -407,10 +417,8 @@ async def test_the_watcher_quarantines_a_folder_copied_in_under_an_invalid_id(
     sidecar = await start_sidecar(make_settings(tmp_path))
     write_adapter(tmp_path / "cache" / "adapters" / "bad id")
 
-    deadline = time.monotonic() + 15
-    while (tmp_path / "cache" / "adapters" / "bad id").exists():
-        assert time.monotonic() < deadline, "the watcher left the folder in adapters/"
-        await asyncio.sleep(0.05)
+    await eventually(lambda: not (tmp_path / "cache" / "adapters" / "bad id").exists(),
+                     timeout_s=15, poll_s=0.05, what="the watcher moving it out of adapters/")
     assert any(p.name.startswith("bad id.") for p in (tmp_path / "cache" / ".quarantine").iterdir())
     _, listing = await call(http, "GET", f"{sidecar.url}/adapters")
     assert listing["adapters"] == []

@@ -10,6 +10,7 @@ from pathlib import Path
 from sidecar.validation.shapes import ModelShapes
 from tests.support.processes import SidecarProcess, stage_blocking
 from tests.support.s3 import S3Registry
+from tests.support.waiting import eventually
 
 
 async def test_a_second_sigterm_while_stopping_exits_at_once(
@@ -30,13 +31,13 @@ async def test_a_second_sigterm_while_stopping_exits_at_once(
          "--min-free-disk", "0"], tmp_path / "sidecar.log")
     sidecar_processes.append(sidecar)
     stage = asyncio.create_task(asyncio.to_thread(stage_blocking, sidecar.url, "big", 60))
-    for _ in range(400):
-        if s3.proxy.gets("big/adapter"):
-            break
-        await asyncio.sleep(0.025)
-    await asyncio.sleep(0.3)
+    await eventually(lambda: s3.proxy.gets("big/adapter_model"), timeout_s=10, poll_s=0.025,
+                     what="the download of the weights started")
 
     sidecar.process.send_signal(signal.SIGTERM)
+    await eventually(lambda: "stopping on signal" in sidecar.log_text(), timeout_s=10,
+                     what="the first SIGTERM handled")
+    # Time passing is the point: a stop that did not wait for the download would be over.
     await asyncio.sleep(1.0)
     assert sidecar.process.poll() is None, "the graceful stop did not wait for the download"
     sent_at = time.monotonic()

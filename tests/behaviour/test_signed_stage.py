@@ -20,7 +20,6 @@ from sidecar.cache.stager import RELIST_REFUSED_S
 from sidecar.process.app import Sidecar
 from sidecar.process.examples import write_adapter
 from tests.support.api import StartSidecar, call, stage_ok
-from tests.support.observing import eventually
 from tests.support.s3 import S3Registry
 from tests.support.settings import make_settings, s3_settings
 from tests.support.signing_keys import (
@@ -33,6 +32,7 @@ from tests.support.signing_keys import (
     write_policy,
     write_sha256sums,
 )
+from tests.support.waiting import eventually
 
 WEIGHTS = "adapter_model.safetensors"
 
@@ -222,7 +222,8 @@ async def test_a_signature_refusal_is_remembered_for_those_bytes_only(
 
     sign_with_key(folder, key)  # the publisher signs again, with the right key
     s3.put_folder("acme-support-v1", folder)
-    await asyncio.sleep(RELIST_REFUSED_S)  # how long a refusal is answered without a listing
+    # Time passing is the point: a refusal is answered without a listing for this long.
+    await asyncio.sleep(RELIST_REFUSED_S)
     served = await stage_ok(http, sidecar, "acme-support-v1")
 
     assert served["signer"] == "publisher"

@@ -19,6 +19,7 @@ from tests.support.api import StartSidecar, call
 from tests.support.s3 import S3Registry, set_moto_auth
 from tests.support.s3proxy import Seen
 from tests.support.settings import local_registry_adapter, make_settings, s3_settings
+from tests.support.waiting import eventually
 
 
 def folder_digest(folder: Path) -> dict[str, str]:
@@ -89,25 +90,22 @@ async def test_other_adapters_download_in_parallel(
 ) -> None:
     s3.put_adapter("first", seed=1)
     s3.put_adapter("second", seed=2)
-    second_started = asyncio.Event()
-    loop = asyncio.get_running_loop()
+    second_started = threading.Event()
 
     async def hold_first_until_second(request: web.Request, seen: Seen) -> None:
         # The proxy's own loop: block `first` until a request for `second` arrives.
         if seen.method == "GET" and "/second/" in seen.path:
-            loop.call_soon_threadsafe(second_started.set)
+            second_started.set()
         if seen.method == "GET" and "/first/" in seen.path and "list-type" not in seen.query:
-            for _ in range(200):
-                if second_started.is_set():
-                    break
-                await asyncio.sleep(0.05)
+            await asyncio.to_thread(second_started.wait, 10)
         return None
 
     s3.proxy.fault = hold_first_until_second
     sidecar = await start_sidecar(s3_settings(tmp_path, s3))
     first = asyncio.create_task(call(http, "POST", f"{sidecar.url}/stage",
                                      {"adapter_id": "first"}))
-    await asyncio.sleep(0)
+    await eventually(lambda: "first" in sidecar.stager.inflight, timeout_s=10,
+                     what="the stage of first under way")
     second = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "second"})
     assert second[0] == 200
     assert (await first)[0] == 200

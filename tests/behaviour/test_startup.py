@@ -10,7 +10,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,11 +18,11 @@ import aiohttp
 
 from sidecar.process.examples import EXAMPLE_ADAPTERS, ensure_examples
 from tests.support.api import StartSidecar, call
-from tests.support.observing import eventually
 from tests.support.processes import SidecarProcess
 from tests.support.s3 import S3Registry
 from tests.support.s3proxy import BodyFault
 from tests.support.settings import s3_settings
+from tests.support.waiting import eventually, eventually_blocking
 
 
 def serve(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -123,12 +122,8 @@ def test_the_default_registry_is_judged_where_the_sidecar_runs(tmp_path: Path) -
     process = SidecarProcess(["--cache-root", str(tmp_path / "cache")],
                              tmp_path / "sidecar.log", cwd=tmp_path)
     try:
-        status, _ = readyz(process.url)
-        deadline = time.monotonic() + 30
-        while status != 200 and time.monotonic() < deadline:
-            time.sleep(0.1)
-            status, _ = readyz(process.url)
-        assert status == 200
+        eventually_blocking(lambda: readyz(process.url)[0] == 200, timeout_s=30, poll_s=0.1,
+                            what="/readyz answering 200")
     finally:
         process.stop()
 
@@ -174,12 +169,14 @@ def test_an_s3_bucket_not_created_yet_does_not_stop_the_start(
         ["--registry", "s3://bucket-made-later/lora", "--s3-endpoint-url", s3.endpoint_url,
          "--cache-root", str(tmp_path / "cache"), "--pin", "p1"],
         tmp_path / "sidecar.log")
-    try:
-        deadline = time.monotonic() + 30
+
+    def naming_the_bucket() -> tuple[int, dict[str, object]] | None:
         status, body = readyz(process.url)
-        while "bucket-made-later" not in str(body.get("message")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-            status, body = readyz(process.url)
+        return (status, body) if "bucket-made-later" in str(body.get("message")) else None
+
+    try:
+        status, body = eventually_blocking(naming_the_bucket, timeout_s=30, poll_s=0.2,
+                                           what="/readyz naming the bucket")
         assert status == 503
         assert "bucket-made-later" in str(body["message"])
 
@@ -188,11 +185,8 @@ def test_an_s3_bucket_not_created_yet_does_not_stop_the_start(
         for path in (tmp_path / "examples" / EXAMPLE_ADAPTERS[0]).iterdir():
             s3.client.put_object(Bucket="bucket-made-later", Key=f"lora/p1/{path.name}",
                                  Body=path.read_bytes())
-        deadline = time.monotonic() + 60
-        while status != 200 and time.monotonic() < deadline:
-            time.sleep(0.2)
-            status, body = readyz(process.url)
-        assert status == 200, body
+        eventually_blocking(lambda: readyz(process.url)[0] == 200, timeout_s=60, poll_s=0.2,
+                            what=lambda: f"/readyz answering 200 (last {readyz(process.url)})")
     finally:
         process.stop()
 

@@ -233,7 +233,7 @@ async def monitor(world: World, session: aiohttp.ClientSession, deadline: float)
     """The budget, checked ten times a second whatever the clients are doing."""
     while time.monotonic() < deadline:
         await list_adapters(world, session)
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # ten times a second: time passing is the point
 
 
 # ---- the end: index == disk == metrics == events ----------------------------------------------

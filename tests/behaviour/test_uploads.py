@@ -15,10 +15,10 @@ import aiohttp
 
 from sidecar.process.examples import write_adapter
 from tests.support.api import StartSidecar, call
-from tests.support.observing import eventually
 from tests.support.processes import SidecarProcess
 from tests.support.s3 import S3Registry
 from tests.support.settings import make_settings
+from tests.support.waiting import eventually
 
 WEIGHTS = "adapter_model.safetensors"
 CONFIG = "adapter_config.json"
@@ -49,7 +49,7 @@ async def test_files_of_one_upload_landing_a_moment_apart_are_staged_together(
     os.replace(second / CONFIG, registry / CONFIG)
     staging = asyncio.create_task(call(http, "POST", f"{sidecar.url}/stage",
                                        {"adapter_id": "tenant-a", "lease": False}))
-    await asyncio.sleep(0.4)
+    await asyncio.sleep(0.4)  # time passing is the point: the upload's files land apart
     os.replace(second / WEIGHTS, registry / WEIGHTS)
     status, staged = await staging
 

@@ -8,12 +8,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tests.support.api import api_error_codes
 from tests.support.paths import REPO
 from tests.support.processes import free_port, http_status
+from tests.support.waiting import eventually_blocking
 
 README = REPO / "README.md"
 
@@ -121,12 +121,16 @@ def test_the_quick_start_runs_in_order_as_written(tmp_path: Path) -> None:
     log = (tmp_path / "serve.log").open("wb")
     process = subprocess.Popen(["sh", "-c", serve], cwd=tmp_path, env=env, stdout=log,
                                stderr=subprocess.STDOUT)
+
+    def ready() -> bool:
+        if http_status(f"http://127.0.0.1:{port}/readyz") == 200:
+            return True
+        assert process.poll() is None, (tmp_path / "serve.log").read_text()
+        return False
+
     try:
-        deadline = time.monotonic() + 30
-        while http_status(f"http://127.0.0.1:{port}/readyz") != 200:
-            assert process.poll() is None and time.monotonic() < deadline, \
-                (tmp_path / "serve.log").read_text()
-            time.sleep(0.1)
+        eventually_blocking(ready, timeout_s=30, poll_s=0.1,
+                            what=lambda: (tmp_path / "serve.log").read_text())
         outputs = []
         for script in scripts:
             script = script.replace("localhost:8500", f"localhost:{port}").replace(

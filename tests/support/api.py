@@ -1,5 +1,5 @@
-"""The sidecar's HTTP API as the tests call it: one JSON request, a stage that must succeed, and
-every error code the API can answer."""
+"""The sidecar's HTTP API as the tests call it: one JSON request, a stage that must succeed,
+readiness awaited, and every error code the API can answer."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from sidecar.config import Settings
 from sidecar.core import errors
 from sidecar.process.app import Sidecar
 from sidecar.web import api
+from tests.support.waiting import eventually
 
 # The `start_sidecar` fixture: the real sidecar in the test's event loop, on a free port.
 StartSidecar = Callable[[Settings], Awaitable[Sidecar]]
@@ -41,6 +42,23 @@ async def stage_ok(http: aiohttp.ClientSession, sidecar: Sidecar, adapter_id: st
     assert status == 200, body
     assert isinstance(body, dict)
     return body
+
+
+async def readiness(http: aiohttp.ClientSession, base_url: str, *, status: int | None = None,
+                    mentioning: str = "", timeout_s: float = 10.0) -> tuple[int, Any]:
+    """/readyz's (status, body) once the status is `status` (any, if None) and its message
+    mentions `mentioning`: the health loop and the pins' retries run on their own timers."""
+    last: list[tuple[int, Any]] = []
+
+    async def answered() -> tuple[int, Any] | None:
+        got, body = await call(http, "GET", f"{base_url}/readyz")
+        last[:] = [(got, body)]
+        message = body.get("message", "") if isinstance(body, dict) else ""
+        return (got, body) if status in (None, got) and mentioning in message else None
+
+    return await eventually(
+        answered, timeout_s=timeout_s,
+        what=lambda: f"/readyz {status or 'any'} mentioning {mentioning!r} (last {last})")
 
 
 def api_error_codes() -> dict[str, int]:

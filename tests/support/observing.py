@@ -1,36 +1,15 @@
-"""Watching the sidecar from outside, as an operator would: poll until something holds (with a
-deadline, never a fixed sleep), read /metrics with Prometheus's own text parser, and count the
-bytes this process has read."""
+"""Watching the sidecar from outside, as an operator would: read /metrics with Prometheus's own
+text parser, and count the bytes this process has read. (Waiting until something holds:
+waiting.py.)"""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
-
-T = TypeVar("T")
-POLL_S = 0.02
-
-
-async def eventually(
-    probe: Callable[[], Awaitable[T | None]], *, timeout_s: float, what: str
-) -> T:
-    """The first truthy answer of `probe`; fails the test if none comes within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        answer = await probe()
-        if answer:
-            return answer
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:g}s (last answer {answer!r})")
-        await asyncio.sleep(POLL_S)
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
+
+from tests.support.waiting import eventually_blocking
 
 
 def free_port() -> int:
@@ -39,19 +40,23 @@ class SidecarProcess:
             stdout=self._log, stderr=subprocess.STDOUT,
             env=dict(os.environ if env is None else env), cwd=cwd,
         )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+
+        def answering() -> bool:
             try:
                 urllib.request.urlopen(f"{self.url}/healthz", timeout=1).close()
                 if wait_recovered:
                     urllib.request.urlopen(f"{self.url}/adapters", timeout=30).close()
-                return
+                return True
             except OSError:
                 if self.process.poll() is not None:
-                    break
-                time.sleep(0.05)
-        self.stop()
-        raise AssertionError(f"sidecar did not start; see {log_path}")
+                    raise AssertionError(f"sidecar exited; see {log_path}") from None
+                return False
+
+        try:
+            eventually_blocking(answering, timeout_s=30, poll_s=0.05, what="sidecar answering")
+        except AssertionError:
+            self.stop()
+            raise AssertionError(f"sidecar did not start; see {log_path}") from None
 
     @property
     def pid(self) -> int:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tests.support.paths import REPO
+from tests.support.waiting import eventually_blocking
 
 PROXY_VARIABLES = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy",
                    "ALL_PROXY")
@@ -25,12 +25,19 @@ class ProxyProcess:
         port_file.unlink(missing_ok=True)
         self.process = subprocess.Popen([sys.executable, "-m", module, str(self.log_file),
                                          str(port_file)], cwd=REPO)
-        deadline = time.monotonic() + 20
-        while not (port_file.exists() and port_file.read_text()):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the {what} did not start")
-            time.sleep(0.02)
+
+        def port_written() -> bool:
+            if port_file.exists() and port_file.read_text():
+                return True
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the {what} exited")
+            return False
+
+        try:
+            eventually_blocking(port_written, timeout_s=20, what=f"the {what}'s port")
+        except (AssertionError, RuntimeError):
+            self.stop()
+            raise RuntimeError(f"the {what} did not start") from None
         self.url = f"http://127.0.0.1:{port_file.read_text()}"
 
     def environment(self, no_proxy: str | None = None) -> dict[str, str]:

@@ -147,6 +147,15 @@ class S3Proxy:
             self._released = asyncio.Event()
         await self._released.wait()
 
+    async def open_connections(self) -> int:
+        """How many client connections the proxy holds open now (from any event loop)."""
+
+        async def count() -> int:
+            server = self._runner.server if self._runner is not None else None
+            return 0 if server is None else len(server.connections)
+
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(count(), self._loop))
+
     def gets(self, key_part: str = "") -> list[Seen]:
         with self._lock:
             return [s for s in self.seen if s.method == "GET" and key_part in s.path
@@ -216,6 +225,7 @@ class S3Proxy:
                 if self.body_progress is not None:
                     self.body_progress(seen, sent, upstream.content_length)
                 if self.throttle_bytes_per_s:
+                    # A slow registry: time passing is the point.
                     await asyncio.sleep(len(chunk) / self.throttle_bytes_per_s)
             await response.write_eof()
             return response

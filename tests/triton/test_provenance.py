@@ -20,6 +20,7 @@ from tests.support.api import StartSidecar
 from tests.support.s3 import S3Registry
 from tests.support.settings import make_settings
 from tests.support.signing_keys import key_policy, make_key, sign_with_key
+from tests.support.waiting import eventually
 from tests.triton.harness import ROUTER, import_router
 from tests.triton.node import StartNodeSidecar, TritonNode
 from tests.triton.standin_vllm.answer import expected_text
@@ -117,9 +118,6 @@ async def test_a_signed_adapters_answer_in_triton_carries_its_digest_and_signer(
         return expected_line.search(
             triton_node.server.log_path.read_text(errors="replace")) is not None
 
-    for _ in range(50):
-        if logged():
-            break
-        await asyncio.sleep(0.1)
-    assert logged(), triton_node.server.log_tail()
+    await eventually(logged, timeout_s=5, poll_s=0.1,
+                     what=lambda: f"the router's line logged\n{triton_node.server.log_tail()}")
     shutil.rmtree(folder)

@@ -21,6 +21,7 @@ from tests.support.processes import (
     stage_blocking,
 )
 from tests.support.settings import local_registry_adapter
+from tests.support.waiting import eventually_blocking
 
 SECOND_START_TIMEOUT_S = 30
 EXIT_CACHE_OWNED = 3  # the README's exit code for "another process owns the cache root"
@@ -45,14 +46,15 @@ def run_second(tmp_path: Path, port: int, *extra: str) -> tuple[subprocess.Compl
 def wait_catalog_lists(url: str, adapter_ids: set[str], timeout_s: float = 30) -> None:
     """The first process renders its catalog after each new adapter, on its own: the snapshot
     is taken once that work is done, so only a second process could change it afterwards."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def listed() -> bool:
         status, body = get_blocking(url, "/catalog")
-        listed = body.get("adapter_ids")
-        if status == 200 and isinstance(listed, list) and adapter_ids <= set(listed):
-            return
-        assert time.monotonic() < deadline, f"the catalog never listed {adapter_ids}: {body}"
-        time.sleep(0.1)
+        ids = body.get("adapter_ids")
+        return status == 200 and isinstance(ids, list) and adapter_ids <= set(ids)
+
+    eventually_blocking(listed, timeout_s=timeout_s, poll_s=0.1,
+                        what=lambda: f"the catalog listing {adapter_ids} "
+                                     f"({get_blocking(url, '/catalog')[1]})")
 
 
 def cache_state(cache: Path) -> dict[str, object]:
@@ -64,15 +66,18 @@ def cache_state(cache: Path) -> dict[str, object]:
 def settled_state(cache: Path, timeout_s: float = 10) -> dict[str, object]:
     """The cache once the first process's own follow-up writes (the catalog's journal after a
     new generation) are done: unchanged over half a second."""
-    deadline = time.monotonic() + timeout_s
-    state = cache_state(cache)
-    while True:
-        time.sleep(0.5)
-        again = cache_state(cache)
-        if again == state:
-            return state
-        assert time.monotonic() < deadline, "the first process never stopped writing its cache"
-        state = again
+    last: list[dict[str, object]] = []
+
+    def unchanged() -> tuple[dict[str, object]] | None:
+        state = cache_state(cache)
+        same = [state] == last
+        last[:] = [state]
+        return (state,) if same else None
+
+    # The first look has nothing to compare with: the cache is read every half second until
+    # two reads in a row agree.
+    return eventually_blocking(unchanged, timeout_s=timeout_s, poll_s=0.5,
+                               what="the first process to stop writing its cache")[0]
 
 
 @pytest.mark.parametrize("same_port", [False, True], ids=["other port", "same port"])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import aiohttp
 
-from tests.support.api import StartSidecar, call
+from tests.support.api import StartSidecar, call, readiness
 from tests.support.settings import local_registry_adapter, make_settings
 
 
@@ -18,11 +18,7 @@ async def test_unpinning_a_pin_still_pending_makes_the_sidecar_ready(
     local_registry_adapter(tmp_path, "ok")
     local_registry_adapter(tmp_path, "refused", rank=32)  # can never be staged as it is
     sidecar = await start_sidecar(make_settings(tmp_path, pin=("refused",)))
-    for _ in range(100):
-        status, ready = await call(http, "GET", f"{sidecar.url}/readyz")
-        if "pin refused" in ready.get("message", ""):
-            break
-        await asyncio.sleep(0.05)
+    status, ready = await readiness(http, sidecar.url, mentioning="pin refused")
     assert status == 503 and "pin refused: invalid_adapter" in ready["message"], ready
 
     status, body = await call(http, "POST", f"{sidecar.url}/unpin", {"adapter_id": "refused"})

@@ -20,7 +20,8 @@ from sidecar.cache.store import AdapterStore
 from sidecar.process.app import Sidecar
 from sidecar.process.examples import write_adapter
 from sidecar.validation.shapes import ModelShapes
-from tests.support.api import StartSidecar, call
+from sidecar.web import api
+from tests.support.api import StartSidecar, call, readiness
 from tests.support.processes import SidecarProcess, get_blocking, stage_blocking
 from tests.support.settings import local_registry_adapter, make_settings
 
@@ -105,20 +106,27 @@ async def test_healthz_answers_and_readyz_counts_while_a_slow_recovery_runs(
         return read_record(store, folder)
 
     monkeypatch.setattr(AdapterStore, "read_record", stalling_read)
+    # A call that needs the index, now held until the recovery has rebuilt it.
+    holding = asyncio.Event()
+    recovered = api._recovered
+
+    async def recovered_noted(services: api.Services, *args: float) -> None:
+        holding.set()
+        await recovered(services, *args)
+
+    monkeypatch.setattr(api, "_recovered", recovered_noted)
     second = Sidecar(settings, metrics_registry=CollectorRegistry())
     try:
         await second.start(wait_for_recovery=False)
         assert (await call(http, "GET", f"{second.url}/healthz"))[0] == 200
-        for _ in range(200):
-            status, ready = await call(http, "GET", f"{second.url}/readyz")
-            if "1 of 3" in ready.get("message", ""):
-                break
-            await asyncio.sleep(0.02)
+        status, ready = await readiness(http, second.url, mentioning="1 of 3")
         assert status == 503, ready
         assert "recovering: 1 of 3 adapter folders checked" in ready["problems"]
         held = asyncio.create_task(call(http, "POST", f"{second.url}/stage",
                                         {"adapter_id": "c", "lease": False}))
-        await asyncio.sleep(0.3)
+        await asyncio.wait_for(holding.wait(), 10)
+        # Time passing is the point: a stage that did not wait for the index would be answered.
+        await asyncio.wait({held}, timeout=0.3)
         assert not held.done(), "a stage was answered before the index was rebuilt"
 
         storage_back.set()

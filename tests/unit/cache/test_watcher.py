@@ -17,8 +17,9 @@ from sidecar.process.app import Sidecar
 from sidecar.process.examples import write_adapter
 from tests.support.api import StartSidecar, call, stage_ok
 from tests.support.broken_adapters import CORPUS
-from tests.support.observing import eventually, scrape
+from tests.support.observing import scrape
 from tests.support.settings import local_registry_adapter, make_settings
+from tests.support.waiting import eventually
 
 TRUNCATED = next(case for case in CORPUS if case.name == "truncated_file")
 

@@ -1138,7 +1138,7 @@ async def test_an_adapter_the_watcher_adopts_follows_the_catalogs_rule(
     tmp_path: Path, start_sidecar: Any, http: Any,
 ) -> None:
     from tests.support.api import call
-    from tests.support.observing import eventually
+    from tests.support.waiting import eventually
 
     sidecar = await api_sidecar(tmp_path, start_sidecar)
     outside = tmp_path / "copy"

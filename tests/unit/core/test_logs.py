@@ -19,10 +19,10 @@ from sidecar.config import Settings
 from sidecar.core.logs import JsonFormatter, LogFormat, fields
 from tests.support.api import StartSidecar, call
 from tests.support.broken_adapters import CORPUS
-from tests.support.observing import eventually
 from tests.support.processes import SidecarProcess
 from tests.support.s3 import S3Registry
 from tests.support.settings import local_registry_adapter, make_settings
+from tests.support.waiting import eventually
 
 AWS_SECRET = "aws-secret-Zq7Xw2Lk9Pd4Vn8Rt3Hs6"
 API_TOKEN = "api-token-Mb5Cj1Fy8Ge2Ku7Wq4"

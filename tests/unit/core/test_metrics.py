@@ -15,10 +15,11 @@ from aiohttp import web
 from sidecar.cache.records import RECORD_NAME
 from tests.support.api import StartSidecar, call
 from tests.support.broken_adapters import CORPUS
-from tests.support.observing import Scrape, eventually, scrape
+from tests.support.observing import Scrape, scrape
 from tests.support.s3 import S3Registry
 from tests.support.s3proxy import Seen
 from tests.support.settings import local_registry_adapter, make_settings, s3_settings
+from tests.support.waiting import eventually
 
 TRUNCATED = next(case for case in CORPUS if case.name == "truncated_file")
 

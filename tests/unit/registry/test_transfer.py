@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.registry import transfer
+from tests.support.waiting import eventually
 
 
 def test_pwrite_all_finishes_after_short_writes(
@@ -176,11 +175,17 @@ class _Gate:
         assert self.proceed.wait(10)
 
 
-async def _until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition never met"
-        await asyncio.sleep(0.01)
+def _cleaning_up(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """Set once a cancelled download's clean-up waits for its worker threads (`drain`)."""
+    waiting = asyncio.Event()
+    drain = transfer._Threads.drain
+
+    async def noted_drain(threads: transfer._Threads) -> None:
+        waiting.set()
+        await drain(threads)
+
+    monkeypatch.setattr(transfer._Threads, "drain", noted_drain)
+    return waiting
 
 
 async def test_a_file_opened_after_its_download_was_cancelled_is_closed_not_leaked(
@@ -207,7 +212,8 @@ async def test_a_file_opened_after_its_download_was_cancelled_is_closed_not_leak
     with pytest.raises(asyncio.CancelledError):
         await download
 
-    await _until(lambda: dest.exists() and not _open_to(dest))
+    await eventually(lambda: dest.exists() and not _open_to(dest), timeout_s=5, poll_s=0.01,
+                     what="the file closed")
 
 
 async def test_a_second_cancel_during_clean_up_never_closes_a_file_a_thread_still_writes(
@@ -225,6 +231,7 @@ async def test_a_second_cancel_during_clean_up_never_closes_a_file_a_thread_stil
         return real_pwrite(fd, buffers, offset)
 
     monkeypatch.setattr(transfer, "_pwrite_all", slow_write)
+    cleaning_up = _cleaning_up(monkeypatch)
     dest = tmp_path / "f"
     data = os.urandom(100_000)
     policy = transfer.TransferPolicy(8 << 20, 1, asyncio.Semaphore(1), 1)
@@ -232,7 +239,7 @@ async def test_a_second_cancel_during_clean_up_never_closes_a_file_a_thread_stil
         lambda start, end: _BytesRange(data, start, end), dest, len(data), policy))
     await asyncio.wait_for(gate.entered.wait(), 10)
     download.cancel()
-    await asyncio.sleep(0.2)  # the clean-up now waits for the blocked thread
+    await asyncio.wait_for(cleaning_up.wait(), 10)  # it now waits for the blocked thread
     download.cancel()
     await asyncio.gather(download, return_exceptions=True)
 
@@ -240,7 +247,8 @@ async def test_a_second_cancel_during_clean_up_never_closes_a_file_a_thread_stil
     fd = os.open(other, os.O_RDWR | os.O_CREAT, 0o644)  # the lowest free number
     try:
         gate.proceed.set()
-        await _until(lambda: not _open_to(dest))  # closed once the thread is done
+        await eventually(lambda: not _open_to(dest), timeout_s=5, poll_s=0.01,
+                         what="the file closed once the thread is done")
         assert os.fstat(fd).st_size == 0, "the late write landed in another file"
     finally:
         os.close(fd)
@@ -264,7 +272,8 @@ async def test_a_descriptor_left_to_close_survives_a_job_that_ends_while_another
     assert _open_to(path) == [fd]  # one job still runs
     second.set()
     await asyncio.wrap_future(jobs[1])
-    await _until(lambda: not _open_to(path))  # closed by the last job's end, not leaked
+    await eventually(lambda: not _open_to(path), timeout_s=5, poll_s=0.01,
+                     what="the file closed by the last job's end, not leaked")
 
 
 async def test_the_hasher_never_closes_a_file_a_thread_still_reads(
@@ -280,6 +289,7 @@ async def test_the_hasher_never_closes_a_file_a_thread_still_reads(
         real_hash(fd, digest, buffer, offset, length)
 
     monkeypatch.setattr(transfer, "_hash_range", slow_hash)
+    cleaning_up = _cleaning_up(monkeypatch)
     dest = tmp_path / "f"
     data = os.urandom(100_000)
     policy = transfer.TransferPolicy(8 << 20, 1, asyncio.Semaphore(1), 1)
@@ -288,14 +298,15 @@ async def test_the_hasher_never_closes_a_file_a_thread_still_reads(
         sha256=True))
     await asyncio.wait_for(gate.entered.wait(), 10)
     download.cancel()
-    await asyncio.sleep(0.2)
+    await asyncio.wait_for(cleaning_up.wait(), 10)  # the hasher's task has ended
     other = tmp_path / "another-file"
     fd = os.open(other, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         gate.proceed.set()
         await asyncio.gather(download, return_exceptions=True)
-        await _until(lambda: bool(read_from))
+        await eventually(lambda: bool(read_from), timeout_s=5, poll_s=0.01,
+                         what="the hasher's read")
     finally:
         os.close(fd)
     assert read_from == [str(dest)]
-    await _until(lambda: not _open_to(dest))
+    await eventually(lambda: not _open_to(dest), timeout_s=5, poll_s=0.01, what="the file closed")

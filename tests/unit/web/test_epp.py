@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.support.api import StartSidecar, call
 from tests.support.s3 import S3Registry
 from tests.support.settings import make_settings, s3_settings
+from tests.support.waiting import eventually
 
 EPP_METRIC = "lora_sidecar_lora_requests_info"
 
@@ -70,10 +71,8 @@ async def test_epp_metrics_follow_the_adapter_set_in_the_shape_llm_d_reads(
     staging = asyncio.create_task(call(http, "POST", f"{sidecar.url}/stage",
                                        {"adapter_id": "tenant-2-v1", "lease": False}))
     try:
-        for _ in range(200):
-            if sidecar.stager.inflight:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: sidecar.stager.inflight, timeout_s=10,
+                         what="the stage under way")
         waiting = llm_d_lora_view(await scrape(http, epp))
     finally:
         s3.proxy.fault = None
