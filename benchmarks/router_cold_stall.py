@@ -31,7 +31,7 @@ from moto.server import ThreadedMotoServer
 from benchmarks.router_overhead import _wait_for_catalog, percentile
 from sidecar.process.examples import write_adapter
 from sidecar.validation.shapes import TINY_LLAMA
-from tests.s3proxy import S3Proxy, Seen
+from tests.support.s3proxy import S3Proxy, Seen
 from tests.triton.harness import REPO_ROOT, ROUTER, TRITON_REPO, TritonServer, free_port
 from tests.triton.harness import router_config as make_router_config
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import boto3
 
 from sidecar.process.examples import write_adapter
-from tests.processes import free_port, http_status
+from tests.support.processes import free_port, http_status
 
 BUCKET = "warm"
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from tests.support.waiting import eventually_blocking
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The packaged client (Debian's docker.io, or Docker CE's with buildx): it builds with BuildKit
 # secrets. A newer static client elsewhere on PATH without the buildx plugin cannot build with
@@ -133,12 +135,7 @@ def docker_engine(workdir: Path) -> Iterator[Docker]:
         daemon = subprocess.Popen([str(dockerd)], stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
-        while not docker.answers():
-            if daemon.poll() is not None or time.monotonic() > deadline:
-                raise DockerError("dockerd did not start:\n"
-                                  + _tail(log_path.read_text(errors="replace")))
-            time.sleep(0.5)  # a starting daemon: nothing to wait on but its answer
+        _wait_answering(docker, daemon, log_path)
         yield docker
     finally:
         if daemon.poll() is None:
@@ -148,6 +145,23 @@ def docker_engine(workdir: Path) -> Iterator[Docker]:
             except subprocess.TimeoutExpired:
                 daemon.kill()
                 daemon.wait(10)
+
+
+def _wait_answering(docker: Docker, daemon: subprocess.Popen[bytes], log_path: Path) -> None:
+    """Until the dockerd just started answers; with its log's tail if it exits or does not."""
+
+    def answering() -> bool:  # a starting daemon: nothing to wait on but its answer
+        if docker.answers():
+            return True
+        if daemon.poll() is not None:
+            raise DockerError("dockerd exited")
+        return False
+
+    try:
+        eventually_blocking(answering, timeout_s=60, poll_s=0.5, what="dockerd answering")
+    except (AssertionError, DockerError):
+        raise DockerError("dockerd did not start:\n"
+                          + _tail(log_path.read_text(errors="replace"))) from None
 
 
 # ---- the local base image ------------------------------------------------------------------
@@ -324,7 +338,8 @@ class ComposeProject:
         once, with its log."""
         start = time.monotonic()
         took: dict[str, float] = {}
-        while len(took) < len(services):
+
+        def all_healthy() -> bool:
             for service in services:
                 if service in took:
                     continue
@@ -341,9 +356,14 @@ class ComposeProject:
                 elif health == "unhealthy" or state["Status"] in ("exited", "dead"):
                     raise DockerError(f"{service} is {health or state['Status']}:\n"
                                       + self.logs(service))
-            if time.monotonic() - start > timeout_s:
-                waiting = sorted(set(services) - set(took))
-                raise DockerError(f"not healthy after {timeout_s:.0f} s: {waiting}\n"
-                                  + "\n".join(self.logs(s, 30) for s in waiting))
-            time.sleep(1)  # health checks run every few seconds; nothing to wait on but them
+            return len(took) == len(services)
+
+        try:
+            # Health checks run every few seconds: nothing to wait on but them.
+            eventually_blocking(all_healthy, timeout_s=timeout_s, poll_s=1,
+                                what="every service healthy")
+        except AssertionError:
+            waiting = sorted(set(services) - set(took))
+            raise DockerError(f"not healthy after {timeout_s:.0f} s: {waiting}\n"
+                              + "\n".join(self.logs(s, 30) for s in waiting)) from None
         return took

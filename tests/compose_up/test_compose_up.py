@@ -49,7 +49,8 @@ from tests.engine.harness import (
     EngineAssets,
     find_vllm_backend,
 )
-from tests.processes import free_port
+from tests.support.processes import free_port
+from tests.support.waiting import eventually_blocking
 
 COMPOSE = REPO_ROOT / "compose"
 CLIENT = COMPOSE / "client.py"
@@ -281,7 +282,7 @@ def node(docker: Docker, images: Images, compose_assets: EngineAssets,
                              env_file, workdir)
     compose_notes.append("grafana left out: its image (grafana/grafana) cannot be pulled and "
                          "Debian has no package of it; its dashboard's queries are checked "
-                         "against Prometheus and the sidecar in tests/test_compose.py")
+                         "against Prometheus and the sidecar in tests/project/test_compose.py")
     start, since = time.monotonic(), time.time()
     try:
         project.run("up", "--detach", "--no-build", *SERVICES, timeout_s=NODE_TIMEOUT_S)
@@ -402,18 +403,20 @@ def test_router_answers_each_adapter_with_its_reference_text(
 def test_prometheus_scrapes_the_sidecar(node: Node) -> None:
     query = urllib.parse.urlencode(
         {"query": 'lora_sidecar_stage_requests_total{job="lora-sidecar"}'})
-    deadline = time.monotonic() + 120
-    while True:
+    last: list[object] = []
+
+    def scraped() -> bool:
         up = json.loads(node.get("prometheus", 9090, "/api/v1/query?" + urllib.parse.urlencode(
             {"query": 'up{job="lora-sidecar"}'})))
         stages = json.loads(node.get("prometheus", 9090, f"/api/v1/query?{query}"))
+        last[:] = [up, stages]
         ups = [sample["value"][1] for sample in up["data"]["result"]]
         staged = sum(float(s["value"][1]) for s in stages["data"]["result"])
         # The router's calls of the test before are in what Prometheus scraped.
-        if ups == ["1"] and staged >= len(ADAPTERS):
-            break
-        assert time.monotonic() < deadline, (up, stages)
-        time.sleep(2)  # the scrape interval is 10 s; nothing to wait on but the next scrape
+        return ups == ["1"] and staged >= len(ADAPTERS)
+
+    # The scrape interval is 10 s: nothing to wait on but the next scrape.
+    eventually_blocking(scraped, timeout_s=120, poll_s=2, what=lambda: f"scraped: {last}")
 
 
 @pytest.mark.timeout(600)
@@ -428,7 +431,9 @@ def test_a_restarted_sidecar_serves_from_the_cache_it_left(
     adapter_id, kind = next(iter(ADAPTERS.items()))
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(node.ask, adapter_id)
-        time.sleep(3)  # the request is in, and answered UNAVAILABLE while nothing listens
+        # The request goes in and is answered UNAVAILABLE while nothing listens; the client
+        # retries inside its own process, where this test sees no event: it waits a moment.
+        time.sleep(3)
         project.run("start", "sidecar", timeout_s=120)
         answer = waiting.result(timeout=300)
     assert answer.returncode == 0, answer.stderr

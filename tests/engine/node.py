@@ -30,7 +30,8 @@ from tests.engine.harness import (
     engine_processes,
     tree_rss_bytes,
 )
-from tests.processes import SidecarProcess
+from tests.support.processes import SidecarProcess
+from tests.support.waiting import eventually_blocking
 from tests.triton.harness import ROUTER, VLLM_MODEL, TritonServer, router_config
 
 PREFIX = "lora"
@@ -128,14 +129,21 @@ class EngineNode:
         adapter becomes servable); returns (text, seconds, UNAVAILABLE answers)."""
         started = time.monotonic()
         unavailable = 0
-        while True:
+
+        def answered() -> tuple[str] | None:
+            nonlocal unavailable
             try:
-                return self.ask(adapter_id, **kwargs), time.monotonic() - started, unavailable
+                return (self.ask(adapter_id, **kwargs),)
             except InferenceServerException as exc:
-                if status_of(exc) != "UNAVAILABLE" or time.monotonic() - started > timeout_s:
+                if status_of(exc) != "UNAVAILABLE":
                     raise
                 unavailable += 1
-                time.sleep(0.25)  # a client's back-off; there is nothing to wait on
+                return None
+
+        # A client's back-off between two calls: there is nothing to wait on.
+        (text,) = eventually_blocking(answered, timeout_s=timeout_s, poll_s=0.25,
+                                      what=f"{adapter_id} served")
+        return text, time.monotonic() - started, unavailable
 
     def vllm_stream(self, lora_name: str | None, prompt: str = PROMPT, *,
                     max_tokens: int = MAX_TOKENS, stream: bool = False,
@@ -219,17 +227,25 @@ class EngineNode:
     def wait_catalog_loaded(self, timeout_s: float = ENGINE_LOAD_TIMEOUT_S) -> float:
         """Until Triton has loaded the catalog the sidecar rendered last; returns the seconds."""
         started = time.monotonic()
-        while True:
+        last: list[dict[str, Any]] = []
+
+        def loaded() -> bool:  # another process's state: there is no event to wait on
             status = self.sidecar_json("/catalog")
+            last[:] = [status]
             triton = status.get("triton", {})
             if (triton.get("loaded_generation") == status["generation"]
                     and status["generation"] > 0 and not triton.get("reloading")):
-                return time.monotonic() - started
-            if time.monotonic() - started > timeout_s:
-                raise TimeoutError(f"Triton did not load the catalog: {status}\n"
-                                   + self.server.log_tail())
+                return True
             self.sample_memory()
-            time.sleep(0.2)  # polling another process's state: there is no event to wait on
+            return False
+
+        try:
+            eventually_blocking(loaded, timeout_s=timeout_s, poll_s=0.2,
+                                what="Triton loading the catalog")
+        except AssertionError:
+            raise TimeoutError(f"Triton did not load the catalog: {last[-1]}\n"
+                               + self.server.log_tail()) from None
+        return time.monotonic() - started
 
     # ---- the engine's processes ---------------------------------------------------------
 

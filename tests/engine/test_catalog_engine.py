@@ -24,6 +24,7 @@ from tritonclient.utils import InferenceServerException
 from tests.engine.harness import EngineAssets
 from tests.engine.node import EngineNode
 from tests.engine.surgery import variant
+from tests.support.waiting import eventually_blocking
 from tests.triton.triton_proxy import ThreadedTritonProxy
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -150,11 +151,14 @@ def test_running_the_spares_low_costs_one_compaction_then_every_adapter_answers(
         node.upload(adapter_id, folder)
         text, _, _ = node.ask_until_served(adapter_id)
         assert text == expected
-    deadline = time.monotonic() + 300
-    while catalog(node)["generation"] == generation or catalog(node)["triton"][  # type: ignore[index]
-            "loaded_generation"] != catalog(node)["generation"]:
-        assert time.monotonic() < deadline, catalog(node)
-        time.sleep(0.5)
+
+    def new_generation_loaded() -> bool:
+        now = catalog(node)
+        return bool(now["generation"] != generation
+                    and now["triton"]["loaded_generation"] == now["generation"])
+
+    eventually_blocking(new_generation_loaded, timeout_s=300, poll_s=0.5,
+                        what=lambda: f"a new generation loaded ({catalog(node)})")
 
     answers = {a: node.ask_until_served(a)[0] for a in [*NEW, *MORE]}
 
@@ -253,9 +257,10 @@ def test_direct_calls_with_every_kind_of_catalogued_name_leave_the_engine_servin
     assert node.ask(NEW[2]) == adapters[NEW[2]][1]
     # Every name at a no-op was read by the engine just now: none of them is ever handed out
     # again (the evicted ones come back under fresh names).
-    time.sleep(3)  # the read watch judges an open after its window
-    spares = catalog(node)["spares"]
-    assert set(unbound) <= set(spares["burnt"]) and spares["left"] == 0
+    # The read watch judges an open after its window.
+    eventually_blocking(lambda: set(unbound) <= set(catalog(node)["spares"]["burnt"]),
+                        timeout_s=10, poll_s=0.2, what="the names read directly burnt")
+    assert catalog(node)["spares"]["left"] == 0
     for kind, (_, expected) in kinds.items():
         what = {expected: "the adapter's text", base: "the base model's text"}.get(
             answers[kind], f"other text {answers[kind]!r}")

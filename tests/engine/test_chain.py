@@ -270,7 +270,9 @@ def test_a_dead_engine_as_the_stock_backend_shows_it(
     assert engines
     for pid in engines:
         os.kill(pid, signal.SIGKILL)
-    time.sleep(1)  # vLLM notices its engine process died through a socket; give it a moment
+    # vLLM notices its engine process died through a socket, inside Triton's process: no event
+    # of it reaches this test, so it is given a moment.
+    time.sleep(1)
 
     with pytest.raises(InferenceServerException) as direct:
         node.vllm_stream(name)

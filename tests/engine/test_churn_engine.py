@@ -26,9 +26,10 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from tests.engine.harness import EngineAssets
-from tests.engine.node import EngineNode
+from tests.engine.node import ENGINE_LOAD_TIMEOUT_S, EngineNode
 from tests.engine.surgery import variant
 from tests.engine.traffic import Clients, DiskSampler
+from tests.support.waiting import eventually_blocking
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1500)]
 
@@ -88,17 +89,20 @@ def metric(node: EngineNode, name: str, labels: str = "") -> float:
 
 def evict_when_free(node: EngineNode, adapter_id: str, timeout_s: float = 60.0) -> None:
     """POST /evict without force, until no lease holds the adapter (a request may use it)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def evicted() -> bool:
         try:
             node.sidecar_json("/evict", {"adapter_id": adapter_id})
-            return
+            return True
         except urllib.error.HTTPError as exc:
             code = json.loads(exc.read()).get("error")
             if code == "not_cached":
-                return
-            assert code == "adapter_in_use" and time.monotonic() < deadline, code
-            time.sleep(0.2)
+                return True
+            assert code == "adapter_in_use", code
+            return False
+
+    eventually_blocking(evicted, timeout_s=timeout_s, poll_s=0.2,
+                        what=f"{adapter_id} free to evict")
 
 
 def log_events(node: EngineNode, event: str) -> list[dict[str, Any]]:
@@ -124,7 +128,7 @@ def test_churn_with_uploads_a_reupload_an_operator_and_a_forced_compaction(
     t0 = time.monotonic()
     timeline: dict[str, float] = {}
 
-    def at(offset_s: float) -> None:
+    def at(offset_s: float) -> None:  # the scenario's timeline: time passing is the point
         time.sleep(max(0.0, t0 + offset_s - time.monotonic()))
 
     try:
@@ -144,12 +148,15 @@ def test_churn_with_uploads_a_reupload_an_operator_and_a_forced_compaction(
         generation = node.sidecar_json("/catalog")["generation"]
         node.sidecar_json("/catalog/compact", {})
         timeline["compact"] = time.monotonic()
-        while True:
+
+        def compacted() -> bool:
             catalog = node.sidecar_json("/catalog")
             loaded = catalog["triton"]["loaded_generation"]
-            if loaded is not None and loaded > generation and not catalog["triton"]["reloading"]:
-                break
-            time.sleep(0.2)
+            return bool(loaded is not None and loaded > generation
+                        and not catalog["triton"]["reloading"])
+
+        eventually_blocking(compacted, timeout_s=ENGINE_LOAD_TIMEOUT_S, poll_s=0.2,
+                            what="the compacted generation loaded")
         timeline["compacted"] = time.monotonic()
         at(timeline["compacted"] - t0 + 10)
         node.upload(NEW[2], adapters[NEW[2]][0])
@@ -234,17 +241,20 @@ def test_an_upload_landing_file_by_file_is_served_a_moment_after_its_last_file(
             node.ask(late)
         refused.append(caught.value.message() or "")
     assert all("missing" in message for message in refused), refused
-    time.sleep(3)  # the config lands seconds later, as `aws s3 cp --recursive` does
+    # Time passing is the point: the config lands seconds later, as `aws s3 cp --recursive`
+    # does.
+    time.sleep(3)
     node.upload(late, folder, only=["adapter_config.json"])
     landed = time.monotonic()
 
-    while True:  # a client that retries, as clients do on an error
+    def answered() -> tuple[str] | None:  # a client that retries, as clients do on an error
         try:
-            text = node.ask(late)
-            break
+            return (node.ask(late),)
         except InferenceServerException:
-            assert time.monotonic() - landed < 10, "not served after its last file landed"
-            time.sleep(0.2)
+            return None
+
+    (text,) = eventually_blocking(answered, timeout_s=10, poll_s=0.2,
+                                  what="served after its last file landed")
     served_s = time.monotonic() - landed
 
     assert text == expected

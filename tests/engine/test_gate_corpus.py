@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 
 from sidecar.__main__ import main as sidecar_main
-from tests import broken_adapters
 from tests.engine.harness import (
     ENGINE_MODEL,
     GOOD_ADAPTERS,
@@ -42,6 +41,7 @@ from tests.engine.surgery import (
     first_tensor,
     non_finite,
 )
+from tests.support import broken_adapters
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 

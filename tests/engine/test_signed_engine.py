@@ -20,7 +20,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.engine.harness import MAX_TOKENS, PROMPT, EngineAssets
 from tests.engine.node import EngineNode, _bytes_input, status_of
-from tests.signing_keys import KeyPair, key_policy, make_key, sign_with_key
+from tests.support.signing_keys import KeyPair, key_policy, make_key, sign_with_key
 from tests.triton.harness import ROUTER
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]

@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import sysconfig
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -22,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from tests.support.waiting import eventually_blocking
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TRITON_REPO = REPO_ROOT / "triton_repo"
@@ -205,17 +206,21 @@ class TritonServer:
         return server
 
     def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def ready() -> bool:  # a starting process: there is no event to wait on but its answer
             if self.process.poll() is not None:
                 raise RuntimeError(f"tritonserver exited ({self.process.returncode}):\n"
                                    + self.log_tail())
             try:
                 with urllib.request.urlopen(self.http_url + "/v2/health/ready", timeout=1):
-                    return
+                    return True
             except (urllib.error.URLError, OSError):
-                time.sleep(0.05)  # polling a starting process: there is no event to wait on
-        raise TimeoutError(f"tritonserver not ready after {timeout_s} s:\n" + self.log_tail())
+                return False
+
+        try:
+            eventually_blocking(ready, timeout_s=timeout_s, poll_s=0.05, what="tritonserver ready")
+        except AssertionError:
+            raise TimeoutError(f"tritonserver not ready after {timeout_s} s:\n"
+                               + self.log_tail()) from None
 
     def _post(self, path: str, body: Mapping[str, Any] | None = None,
               timeout_s: float = 120.0) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +19,12 @@ import tritonclient.grpc.aio as grpcclient
 
 from sidecar.process.app import Sidecar
 from sidecar.validation.shapes import TINY_LLAMA
-from tests.conftest import S3Registry, StartSidecar, call, s3_settings
-from tests.triton.conftest import StartNodeSidecar, TritonNode, ask, start_triton_node
+from tests.support.api import StartSidecar, call
+from tests.support.s3 import S3Registry
+from tests.support.settings import s3_settings
+from tests.support.waiting import eventually
 from tests.triton.harness import free_port
+from tests.triton.node import StartNodeSidecar, TritonNode, ask, start_triton_node
 from tests.triton.standin_vllm.answer import expected_text
 from tests.triton.triton_proxy import TritonProxy
 
@@ -41,14 +44,40 @@ async def stage(http: aiohttp.ClientSession, sidecar: Sidecar, adapter_id: str) 
                       {"adapter_id": adapter_id, "lease": False})
 
 
-async def next_probe(proxy: TritonProxy) -> None:
-    """Wait until the sidecar's next readiness probe reached the proxy and was answered."""
-    seen = sum(1 for c in proxy.calls if c.endswith("/ready"))
-    deadline = time.monotonic() + 30
-    while sum(1 for c in proxy.calls if c.endswith("/ready")) <= seen:
-        assert time.monotonic() < deadline, "no probe came"
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.2)  # its answer is applied
+class Probes:
+    """The sidecar's readiness probes of Triton, counted from now: started, and finished (the
+    answer, or the failure, fed to its state machine)."""
+
+    def __init__(self, sidecar: Sidecar, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.started = self.finished = 0
+        probe = sidecar.reloads.probe
+
+        async def counted() -> None:
+            self.started += 1
+            try:
+                await probe()
+            finally:
+                self.finished += 1
+
+        monkeypatch.setattr(sidecar.reloads, "probe", counted)
+
+    def next_applied(self, timeout_s: float = 30) -> Awaitable[None]:
+        """Until the first probe started after this call has been answered and its answer
+        applied (counted from the call, whenever the wait is awaited)."""
+        target = self.started + 1
+        return eventually(lambda: self.finished >= target, timeout_s=timeout_s, poll_s=0.05,
+                          what="the sidecar's next probe of Triton")
+
+
+async def probe_reaches(proxy: TritonProxy) -> None:
+    """Until the sidecar's next readiness probe reaches the proxy."""
+
+    def reached() -> int:
+        return sum(1 for c in proxy.calls if c.endswith("/ready"))
+
+    seen = reached()
+    await eventually(lambda: reached() > seen, timeout_s=30, poll_s=0.05,
+                     what="a probe reaching the proxy")
 
 
 def base_config(tmp_path: Path) -> Path:
@@ -59,6 +88,7 @@ def base_config(tmp_path: Path) -> Path:
 
 async def test_a_triton_that_starts_after_the_sidecar_is_served_within_seconds(
     tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     files = s3.put_adapter("early-v1", seed=1)
     http_port, sidecar_port = free_port(), free_port()
@@ -68,18 +98,23 @@ async def test_a_triton_that_starts_after_the_sidecar_is_served_within_seconds(
         tmp_path, s3, cache_root=cache_root, port=sidecar_port,
         triton_url=f"http://127.0.0.1:{http_port}",
         triton_reload_min_interval_s=3600.0, base_model_config=base_config(tmp_path)))
+    probes = Probes(sidecar, monkeypatch)
     status, body = await stage(http, sidecar, "early-v1")
     assert status == 503 and body["error"] == "catalog_pending", body
     assert "does not answer" in body["message"]
-    await asyncio.sleep(3)  # a few failed probes and loads: none may start the interval
+    for _ in range(2):  # a few failed probes: none may start the interval
+        await probes.next_applied()
 
     node = await asyncio.to_thread(start_triton_node, tmp_path / "node", http_port=http_port,
                                    cache_root=cache_root, sidecar_port=sidecar_port)
     try:
         ready_at = time.monotonic()
-        while (await stage(http, sidecar, "early-v1"))[0] != 200:
-            assert time.monotonic() - ready_at < 60, "not served: the minimum interval waits?"
-            await asyncio.sleep(0.1)
+
+        async def served() -> bool:
+            return (await stage(http, sidecar, "early-v1"))[0] == 200
+
+        await eventually(served, timeout_s=60, poll_s=0.1,
+                         what="served (or does the minimum interval wait?)")
         served_s = time.monotonic() - ready_at
 
         async with grpcclient.InferenceServerClient(node.server.grpc_url) as client:
@@ -91,16 +126,17 @@ async def test_a_triton_that_starts_after_the_sidecar_is_served_within_seconds(
 
 async def test_one_probe_answered_503_neither_reloads_nor_stops_stage(
     s3: S3Registry, node_sidecar: StartNodeSidecar, proxy: TritonProxy,
-    http: aiohttp.ClientSession,
+    http: aiohttp.ClientSession, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     s3.put_adapter("a-v1", seed=2)
     sidecar = await node_sidecar(triton_url=proxy.url)
+    probes = Probes(sidecar, monkeypatch)
     before = proxy.repository_calls()
     proxy.ready_failures = 1
 
-    await next_probe(proxy)
+    await probes.next_applied()
     during = await stage(http, sidecar, "a-v1")
-    await next_probe(proxy)
+    await probes.next_applied()
 
     assert during[0] == 200, during
     assert proxy.repository_calls() == before
@@ -109,24 +145,27 @@ async def test_one_probe_answered_503_neither_reloads_nor_stops_stage(
 
 async def test_a_hung_probe_holds_nothing_and_ends_as_one_failed_probe(
     s3: S3Registry, node_sidecar: StartNodeSidecar, proxy: TritonProxy,
-    http: aiohttp.ClientSession, grpc: Any,
+    http: aiohttp.ClientSession, grpc: Any, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     weights = {a: s3.put_adapter(a, seed=3 + n)[WEIGHTS] for n, a in enumerate(("a", "b"))}
     sidecar = await node_sidecar(triton_url=proxy.url, triton_probe_timeout_s=1.0)
     assert (await stage(http, sidecar, "a"))[0] == 200
+    probes = Probes(sidecar, monkeypatch)
+    await probes.next_applied()  # from here on, every probe is counted
     before = proxy.repository_calls()
     proxy.hang_ready = asyncio.Event()
 
-    await next_probe(proxy)  # reached the proxy: hanging now
+    hung = probes.next_applied()  # ends past the probe's own timeout
+    await probe_reaches(proxy)  # hanging now
     started = time.monotonic()
     during = await stage(http, sidecar, "b")  # a binding: the catalog's lock is free
     bound_s = time.monotonic() - started
     answer = await ask(grpc, "b", "x")
-    await asyncio.sleep(1.5)  # past the probe's own timeout
+    await hung
     state_after_timeout = sidecar.reloads.status()["triton"]["state"]
     proxy.hang_ready.set()
     proxy.hang_ready = None
-    await next_probe(proxy)
+    await probes.next_applied()
 
     assert during[0] == 200, during
     assert bound_s < 1.0
@@ -145,16 +184,17 @@ async def test_triton_unreachable_for_a_while_is_declared_lost_then_taken_back_w
     assert (await stage(http, sidecar, "a-v1"))[0] == 200
     before = proxy.repository_calls()
 
+    def state() -> str:
+        return str(sidecar.reloads.status()["triton"]["state"])
+
     proxy.down = True
     deadline = time.monotonic() + 30
-    while sidecar.reloads.status()["triton"]["state"] != "unreachable":
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.1)
+    await eventually(lambda: state() == "unreachable", timeout_s=30, poll_s=0.1,
+                     what="Triton declared unreachable")
     lost = await stage(http, sidecar, "a-v1")
     proxy.down = False
-    while sidecar.reloads.status()["triton"]["state"] != "serving":
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.1)
+    await eventually(lambda: state() == "serving", timeout_s=deadline - time.monotonic(),
+                     poll_s=0.1, what="Triton taken back")
 
     assert lost[0] == 503 and "does not answer" in lost[1]["message"]
     assert (await stage(http, sidecar, "a-v1"))[0] == 200
@@ -182,14 +222,14 @@ async def test_during_an_on_change_reload_what_the_serving_engine_loaded_stays_s
 
         status, _ = await call(http, "POST", f"{sidecar.url}/catalog/compact", {})
         assert status == 202
+        def reloading() -> bool:
+            return bool(sidecar.reloads.status()["triton"]["reloading"])
+
         deadline = time.monotonic() + 30
-        while not sidecar.reloads.status()["triton"]["reloading"]:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+        await eventually(reloading, timeout_s=30, poll_s=0.05, what="the reload under way")
         during = {a: await stage(http, sidecar, a) for a in ("listed", "bound", "fresh")}
-        while sidecar.reloads.status()["triton"]["reloading"]:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+        await eventually(lambda: not reloading(), timeout_s=deadline - time.monotonic(),
+                         poll_s=0.05, what="the reload done")
 
         assert {a: s for a, (s, _) in during.items()} == {"listed": 200, "bound": 200,
                                                            "fresh": 200}

@@ -16,13 +16,16 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 
 from sidecar.process.examples import write_adapter
-from tests.conftest import S3Registry, StartSidecar, make_settings
-from tests.signing_keys import key_policy, make_key, sign_with_key
-from tests.triton.conftest import StartNodeSidecar, TritonNode
-from tests.triton.harness import ROUTER
+from tests.support.api import StartSidecar
+from tests.support.s3 import S3Registry
+from tests.support.settings import make_settings
+from tests.support.signing_keys import key_policy, make_key, sign_with_key
+from tests.support.waiting import eventually
+from tests.triton.harness import ROUTER, import_router
+from tests.triton.node import StartNodeSidecar, TritonNode
 from tests.triton.standin_vllm.answer import expected_text
-from tests.triton.test_routing import routing
 
+routing = import_router()
 WEIGHTS = "adapter_model.safetensors"
 
 
@@ -115,9 +118,6 @@ async def test_a_signed_adapters_answer_in_triton_carries_its_digest_and_signer(
         return expected_line.search(
             triton_node.server.log_path.read_text(errors="replace")) is not None
 
-    for _ in range(50):
-        if logged():
-            break
-        await asyncio.sleep(0.1)
-    assert logged(), triton_node.server.log_tail()
+    await eventually(logged, timeout_s=5, poll_s=0.1,
+                     what=lambda: f"the router's line logged\n{triton_node.server.log_tail()}")
     shutil.rmtree(folder)

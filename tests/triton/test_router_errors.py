@@ -4,7 +4,7 @@ help with. A new SidecarError fails here until the router's table says what it m
 
 from __future__ import annotations
 
-from tests.test_readme import api_error_codes
+from tests.support.api import api_error_codes
 from tests.triton.harness import import_router
 
 router_errors = import_router("router_errors")

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from tests.observing import eventually
-from tests.recording_proxy import RecordingProxy
+from tests.support.recording_proxy import RecordingProxy
+from tests.support.waiting import eventually
 from tests.triton.harness import import_router
 
 routing = import_router()

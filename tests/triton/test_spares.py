@@ -22,15 +22,18 @@ from tritonclient.utils import InferenceServerException
 from sidecar.catalog.disk import NoopAdapter
 from sidecar.validation.options import LLAMA_TARGET_MODULES
 from sidecar.validation.shapes import TINY_LLAMA
-from tests.conftest import S3Registry, StartSidecar, call, s3_settings
-from tests.triton.conftest import (
+from tests.support.api import StartSidecar, call
+from tests.support.s3 import S3Registry
+from tests.support.settings import s3_settings
+from tests.support.waiting import eventually
+from tests.triton.harness import ROUTER, TritonServer, router_config
+from tests.triton.node import (
     StartNodeSidecar,
     TritonNode,
     ask,
     direct_call,
     start_triton_node,
 )
-from tests.triton.harness import ROUTER, TritonServer, router_config
 from tests.triton.standin_vllm.answer import expected_text
 from tests.triton.triton_proxy import TritonProxy
 
@@ -49,16 +52,21 @@ async def ask_until_served(client: grpcclient.InferenceServerClient, adapter_id:
                            prompt: str, timeout_s: float = 60.0) -> tuple[str, list[str]]:
     """Call the router, retrying UNAVAILABLE as a client should; the answer and the
     UNAVAILABLE messages seen on the way."""
-    deadline = time.monotonic() + timeout_s
     seen: list[str] = []
-    while True:
+
+    async def answered() -> tuple[str] | None:
         try:
-            return await ask(client, adapter_id, prompt), seen
+            return (await ask(client, adapter_id, prompt),)
         except InferenceServerException as exc:
-            if "UNAVAILABLE" not in str(exc.status()) or time.monotonic() > deadline:
+            if "UNAVAILABLE" not in str(exc.status()):
                 raise
             seen.append(exc.message())
-            await asyncio.sleep(0.2)
+            return None
+
+    # A client's back-off between two calls.
+    (answer,) = await eventually(answered, timeout_s=timeout_s, poll_s=0.2,
+                                 what=lambda: f"{adapter_id} served (last: {seen[-1:]})")
+    return answer, seen
 
 
 async def test_twenty_new_adapters_are_served_without_a_reload_while_another_tenant_calls(
@@ -167,8 +175,9 @@ async def test_direct_calls_with_every_catalogued_name_leave_the_engine_serving(
     # never handed out again (the engine holds the no-op under it now).
     assert len(proxy.repository_calls()) == calls
     assert await ask(grpc, "own-here", "x") == expected_text(files["own-here"], "x")
-    await wait_for(lambda: sorted(sidecar.reloads.status()["spares"]["burnt"]) == sorted(
-        [*unbound, "own-gone", bound_gone]), timeout_s=10)
+    await eventually(lambda: sorted(sidecar.reloads.status()["spares"]["burnt"]) == sorted(
+        [*unbound, "own-gone", bound_gone]), timeout_s=10, poll_s=0.1,
+        what="the names read directly burnt")
     # Both evicted adapters come back under fresh names, and answer with their own bytes.
     for adapter_id in ("own-gone", "bound-gone"):
         answer, _ = await ask_until_served(grpc, adapter_id, "x")
@@ -212,8 +221,9 @@ async def test_bindings_survive_a_sidecar_restart_and_a_triton_restart_on_the_sa
                                          ports=(node.server.http_port, node.server.grpc_port))
         servers.append(node.server)
         node.server.load(ROUTER, router_config(node.sidecar_url))
-        await wait_for(lambda: (second.metrics.metrics_registry.get_sample_value(
-            "lora_sidecar_triton_reloads_total", {"outcome": "ok"}) or 0.0) > reloads)
+        await eventually(lambda: (second.metrics.metrics_registry.get_sample_value(
+            "lora_sidecar_triton_reloads_total", {"outcome": "ok"}) or 0.0) > reloads,
+            timeout_s=60, poll_s=0.1, what="the restarted Triton's reload")
 
         assert second.reloads.status()["generation"] == 1  # the same catalog, not a new one
         url = node.server.grpc_url
@@ -275,9 +285,4 @@ def write_base_config(tmp_path: Path) -> Path:
     return path
 
 
-async def wait_for(condition: Any, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.1)
 

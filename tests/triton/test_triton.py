@@ -17,9 +17,11 @@ from tritonclient.utils import InferenceServerException
 from compose import client as compose_client
 from sidecar.config import TritonReload
 from sidecar.process.app import Sidecar
-from tests.conftest import S3Registry, call
-from tests.triton.conftest import StartNodeSidecar, TritonNode, ask, direct_call
+from tests.support.api import call
+from tests.support.s3 import S3Registry
+from tests.support.waiting import eventually
 from tests.triton.harness import ROUTER, VLLM_MODEL, router_config
+from tests.triton.node import StartNodeSidecar, TritonNode, ask, direct_call
 from tests.triton.standin_vllm.answer import expected_text
 
 WEIGHTS = "adapter_model.safetensors"
@@ -358,11 +360,8 @@ async def test_warm_requests_are_answered_while_sixteen_cold_downloads_hang(
     s3.proxy.fault = hang_cold_weights
     cold = [asyncio.create_task(ask(grpc, adapter_id, "c")) for adapter_id in cold_ids]
     try:
-        for _ in range(600):  # every cold download has reached S3 and hangs there
-            if len(set(hung)) == 16:
-                break
-            await asyncio.sleep(0.05)
-        assert len(set(hung)) == 16
+        await eventually(lambda: len(set(hung)) == 16, timeout_s=30, poll_s=0.05,
+                         what="every cold download reaching S3 and hanging there")
 
         answers = await asyncio.wait_for(
             asyncio.gather(*(ask(grpc, "warm-v1", f"w{n}") for n in range(8))), timeout=60)

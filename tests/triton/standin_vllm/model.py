@@ -126,7 +126,7 @@ class TritonPythonModel:
         self._dead: str | None = None  # why the engine died, once it has
         load_delay_s = float(os.environ.get(_LOAD_DELAY_ENV, "0") or 0)
         if load_delay_s:
-            time.sleep(load_delay_s)
+            time.sleep(load_delay_s)  # a slow engine load: time passing is the point
         model_dir = Path(pb_utils.get_model_dir())
         engine_args_path = model_dir / _ENGINE_ARGS_FILENAME
         assert engine_args_path.is_file(), (
@@ -234,7 +234,7 @@ class TritonPythonModel:
         lora_name = sampling.lora_name  # None from a bad dict fails here, as in the stock backend
         digest = self._adapter_digest(lora_name) if lora_name is not None else None
         if self._delay_s:
-            time.sleep(self._delay_s)
+            time.sleep(self._delay_s)  # an engine's time to generate: time passing is the point
         words = answer_words(digest, prompt, sampling.temperature)
         words = words[: max(sampling.max_tokens, 0)]
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

@@ -1,0 +1,227 @@
+"""The cache budget: LRU order, byte and count limits, pins, leases and their expiry,
+operator eviction."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import aiohttp
+
+from sidecar.process.app import Sidecar
+from tests.support.api import StartSidecar, call, readiness, stage_ok
+from tests.support.s3 import S3Registry
+from tests.support.s3proxy import drop_connection
+from tests.support.settings import local_registry_adapter, make_settings, s3_settings
+from tests.support.waiting import eventually
+
+
+def cached_ids(tmp_path: Path) -> set[str]:
+    return {p.name for p in (tmp_path / "cache" / "adapters").iterdir()}
+
+
+async def release(http: aiohttp.ClientSession, sidecar: Sidecar, lease_id: object) -> None:
+    status, body = await call(http, "POST", f"{sidecar.url}/release", {"lease_id": lease_id})
+    assert status == 200, body
+
+
+async def test_count_budget_evicts_least_recently_used(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    for i, adapter_id in enumerate(("a", "b", "c")):
+        local_registry_adapter(tmp_path, adapter_id, seed=i)
+    sidecar = await start_sidecar(make_settings(tmp_path, max_adapters=2))
+
+    for adapter_id in ("a", "b"):
+        await stage_ok(http, sidecar, adapter_id, lease=False)
+    await stage_ok(http, sidecar, "a", lease=False)  # a is now more recent than b
+    await stage_ok(http, sidecar, "c", lease=False)
+
+    assert cached_ids(tmp_path) == {"a", "c"}
+    status, listing = await call(http, "GET", f"{sidecar.url}/adapters")
+    assert status == 200
+    assert [a["adapter_id"] for a in listing["adapters"]] == ["c", "a"]
+    assert listing["cache"]["adapters"] == 2
+
+
+async def test_byte_budget_evicts_until_it_fits(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    for i, adapter_id in enumerate(("a", "b", "c")):
+        local_registry_adapter(tmp_path, adapter_id, seed=i)
+    size = sum(p.stat().st_size for p in (tmp_path / "registry" / "a").iterdir())
+    sidecar = await start_sidecar(make_settings(tmp_path, max_bytes=2 * size + size // 2))
+
+    for adapter_id in ("a", "b", "c"):
+        await stage_ok(http, sidecar, adapter_id, lease=False)
+
+    assert cached_ids(tmp_path) == {"b", "c"}
+    assert sidecar.store.total_bytes <= 2 * size + size // 2
+
+
+async def test_leased_adapter_is_not_evicted_and_a_stage_that_cannot_fit_is_507(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    for i, adapter_id in enumerate(("a", "b")):
+        local_registry_adapter(tmp_path, adapter_id, seed=i)
+    sidecar = await start_sidecar(make_settings(tmp_path, max_adapters=1))
+
+    leased = await stage_ok(http, sidecar, "a")
+    status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "b"})
+    assert status == 507
+    assert body["error"] == "cache_full"
+    assert body["retryable"] is True  # the lease will end
+    assert cached_ids(tmp_path) == {"a"}
+    assert list((tmp_path / "cache" / ".staging").iterdir()) == []
+
+    await release(http, sidecar, leased["lease_id"])
+    await stage_ok(http, sidecar, "b")
+    assert cached_ids(tmp_path) == {"b"}
+
+
+async def test_release_of_unknown_lease_is_404(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    sidecar = await start_sidecar(make_settings(tmp_path))
+    status, body = await call(http, "POST", f"{sidecar.url}/release", {"lease_id": "nope"})
+    assert status == 404
+    assert body["error"] == "lease_not_found"
+
+
+async def test_lease_expires_after_its_ttl_and_the_adapter_becomes_evictable(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    local_registry_adapter(tmp_path, "a")
+    sidecar = await start_sidecar(make_settings(tmp_path, lease_ttl_s=0.3))
+    answer = await stage_ok(http, sidecar, "a")
+    status, body = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "a"})
+    assert status == 409
+
+    # The expiry task runs every second at most.
+    await eventually(lambda: sidecar.store.snapshot().active_leases == 0, timeout_s=5,
+                     what="the lease expired")
+    status, body = await call(http, "POST", f"{sidecar.url}/release",
+                              {"lease_id": answer["lease_id"]})
+    assert status == 404
+    status, body = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "a"})
+    assert status == 200, body
+    assert body["reason"] == "manual"
+    assert cached_ids(tmp_path) == set()
+
+
+async def test_evicting_a_leased_adapter_is_409_unless_forced(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    local_registry_adapter(tmp_path, "a")
+    sidecar = await start_sidecar(make_settings(tmp_path))
+    first = await stage_ok(http, sidecar, "a")
+    second = await stage_ok(http, sidecar, "a")
+
+    status, body = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "a"})
+    assert status == 409
+    assert body["error"] == "adapter_in_use"
+    assert body["leases"] == 2
+    assert cached_ids(tmp_path) == {"a"}
+
+    status, body = await call(http, "POST", f"{sidecar.url}/evict",
+                              {"adapter_id": "a", "force": True})
+    assert status == 200
+    assert body["reason"] == "forced"
+    assert sorted(body["broken_leases"]) == sorted([first["lease_id"], second["lease_id"]])
+    assert body["freed_bytes"] == first["size_bytes"]
+    assert cached_ids(tmp_path) == set()
+    status, _ = await call(http, "POST", f"{sidecar.url}/release", {"lease_id": first["lease_id"]})
+    assert status == 404
+
+
+async def test_evicting_an_uncached_adapter_is_404(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    sidecar = await start_sidecar(make_settings(tmp_path))
+    status, body = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "a"})
+    assert status == 404
+    assert body["error"] == "not_cached"
+
+
+async def test_eviction_moves_the_folder_to_trash_and_deletes_it(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    local_registry_adapter(tmp_path, "a")
+    sidecar = await start_sidecar(make_settings(tmp_path))
+    await stage_ok(http, sidecar, "a", lease=False)
+    folder = tmp_path / "cache" / "adapters" / "a"
+    trash = tmp_path / "cache" / ".trash"
+    # The folder itself, followed wherever it goes: the kernel names an open directory by its
+    # path now, " (deleted)" once it is gone. An rmtree in place would leave it under adapters/.
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        status, _ = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "a"})
+        assert status == 200
+        assert not folder.exists()
+
+        async def deleted() -> str | None:
+            where = os.readlink(f"/proc/self/fd/{fd}")
+            return where if where.endswith(" (deleted)") else None
+
+        where = await eventually(deleted, timeout_s=5, what="the evicted folder deleted")
+    finally:
+        os.close(fd)
+    assert Path(where.removesuffix(" (deleted)")).parent == trash.resolve()
+    assert Path(where).name.startswith("a.")
+    assert list(trash.iterdir()) == []
+
+
+async def test_pinned_adapters_are_staged_at_start_and_never_evicted(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    for i, adapter_id in enumerate(("pinned", "b", "c")):
+        local_registry_adapter(tmp_path, adapter_id, seed=i)
+    sidecar = await start_sidecar(make_settings(tmp_path, max_adapters=2, pin=("pinned",)))
+    await readiness(http, sidecar.url, status=200, timeout_s=10)
+    assert cached_ids(tmp_path) == {"pinned"}
+
+    await stage_ok(http, sidecar, "b", lease=False)
+    await stage_ok(http, sidecar, "c", lease=False)
+    assert cached_ids(tmp_path) == {"pinned", "c"}
+
+    status, body = await call(http, "POST", f"{sidecar.url}/evict", {"adapter_id": "pinned"})
+    assert status == 409
+    assert body["pinned"] is True
+
+
+async def test_pin_and_unpin_through_the_api(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    for i, adapter_id in enumerate(("a", "b")):
+        local_registry_adapter(tmp_path, adapter_id, seed=i)
+    sidecar = await start_sidecar(make_settings(tmp_path, max_adapters=1))
+
+    status, body = await call(http, "POST", f"{sidecar.url}/pin", {"adapter_id": "a"})
+    assert status == 200, body
+    assert body["pinned"] is True
+    status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "b"})
+    assert status == 507  # the only slot is pinned
+    assert body["retryable"] is False  # waiting cannot help while the pin stands
+
+    status, body = await call(http, "POST", f"{sidecar.url}/unpin", {"adapter_id": "a"})
+    assert status == 200
+    assert body["was_pinned"] is True
+    await stage_ok(http, sidecar, "b", lease=False)
+    assert cached_ids(tmp_path) == {"b"}
+
+
+async def test_readyz_waits_for_a_pin_while_the_registry_cannot_be_asked(
+    tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    # A registry that does not answer at start cannot say whether a pin exists: the sidecar
+    # starts, not ready, and stages the pin once the registry is back.
+    s3.proxy.fault = drop_connection
+    sidecar = await start_sidecar(s3_settings(tmp_path, s3, pin=("later",)))
+    status, body = await call(http, "GET", f"{sidecar.url}/readyz")
+    assert status == 503
+    assert "later" in body["message"]
+
+    s3.put_adapter("later")
+    s3.proxy.fault = None
+    await readiness(http, sidecar.url, status=200, timeout_s=30)
+    assert cached_ids(tmp_path) == {"later"}

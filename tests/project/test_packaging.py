@@ -1,0 +1,77 @@
+"""Installing the project is quiet: the package builds, and installs editable as `make` does,
+with no warning or notice from the build backend (pip shows those banners on every install)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from tests.support.paths import REPO
+
+BANNERS = ("DeprecationWarning", "InformationOnly", "BuildBackendWarning")
+
+
+def _copy_of_the_project(tmp_path: Path) -> Path:
+    # A copy, so the build's egg-info and build/ folders never land in the checkout.
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    shutil.copytree(REPO / "sidecar", source / "sidecar",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return source
+
+
+def _pip(*args: str) -> str:
+    # pip builds in an isolated environment with the setuptools pyproject.toml asks for, as
+    # `make run` and `make test` do; -v shows what the build backend printed.
+    result = subprocess.run([sys.executable, "-m", "pip", *args, "--no-deps", "-v"],
+                            capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    for banner in BANNERS:
+        assert banner not in output, output[max(output.find(banner) - 800, 0):][:2000]
+    return output
+
+
+def test_the_package_builds_without_a_deprecation_warning(tmp_path: Path) -> None:
+    source = _copy_of_the_project(tmp_path)
+    _pip("wheel", "--no-cache-dir", "-w", str(tmp_path / "dist"), str(source))
+    (wheel,) = (tmp_path / "dist").glob("lora_sidecar-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        lines = archive.read(metadata).decode().splitlines()
+    assert "License-Expression: Apache-2.0" in lines
+    # Only the package, nothing else of the project root.
+    assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"sidecar"}
+
+
+def test_an_editable_install_is_quiet_and_imports_the_checkout(tmp_path: Path) -> None:
+    source = _copy_of_the_project(tmp_path)
+    target = tmp_path / "site"
+    _pip("install", "--no-cache-dir", "--target", str(target), "-e", str(source))
+    (pth,) = target.glob("__editable__*.pth")
+    assert Path(pth.read_text().strip()).resolve() == source.resolve()
+
+
+def test_the_sidecar_runs_without_the_packages_only_tests_and_the_client_need() -> None:
+    """`make run` installs the project's dependencies only: every module of sidecar/ imports
+    with tritonclient (compose/client.py's, in the `triton` and `test` extras) unavailable."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("tritonclient")]
+    script = (
+        "import importlib, pkgutil, sys\n"
+        "sys.modules['tritonclient'] = None  # any import of it raises ImportError\n"
+        "import sidecar\n"
+        "for module in pkgutil.walk_packages(sidecar.__path__, 'sidecar.'):\n"
+        "    importlib.import_module(module.name)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]

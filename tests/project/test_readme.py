@@ -1,0 +1,153 @@
+"""The README against the code: every error code the API can answer is in its error table with
+the status the API answers it with, and its quick start runs as written, in order."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support.api import api_error_codes
+from tests.support.paths import REPO
+from tests.support.processes import free_port, http_status
+from tests.support.waiting import eventually_blocking
+
+README = REPO / "README.md"
+
+
+def readme_error_table() -> dict[str, set[int]]:
+    """`error` code -> the statuses its rows give, from the table whose header is
+    `| status | `error` | when |`."""
+    lines = README.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines)
+                 if re.fullmatch(r"\|\s*status\s*\|\s*`error`\s*\|\s*when\s*\|", line.strip()))
+    table: dict[str, set[int]] = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        status, codes = (cell.strip() for cell in line.strip("|").split("|")[:2])
+        for code in re.findall(r"`([a-z_]+)`", codes):
+            table.setdefault(code, set()).add(int(status))
+    return table
+
+
+def test_every_error_code_of_the_api_is_in_the_readme_with_its_status() -> None:
+    table = readme_error_table()
+    codes = api_error_codes()
+    assert {"not_ready", "not_found", "method_not_allowed", "internal_error"} <= set(codes)
+    missing = sorted(code for code in codes if code not in table)
+    assert not missing, f"README's error table lacks {missing}"
+    wrong = {code: (status, sorted(table[code])) for code, status in codes.items()
+             if status not in table[code]}
+    assert not wrong, f"README gives other statuses (code: (API's, README's)): {wrong}"
+
+
+def test_the_readme_lists_no_code_the_api_cannot_answer() -> None:
+    stale = sorted(set(readme_error_table()) - set(api_error_codes()))
+    assert not stale, f"README's error table lists codes the API never answers: {stale}"
+
+
+# ---- the layout ----------------------------------------------------------------------------
+
+
+def readme_layout() -> dict[str, set[str]]:
+    """Folder (or top-level module) -> the module names its row of "How the code is laid out"
+    gives."""
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## How the code is laid out"):]
+    block = section.split("```")[1]
+    rows: dict[str, set[str]] = {}
+    current = ""
+    for line in block.strip().splitlines():
+        if line.startswith("sidecar/"):
+            current, _, line = line.partition(" ")
+            rows[current] = {Path(current).name} if current.endswith(".py") else set()
+        rows[current] |= set(re.findall(r"\b([a-z0-9_]+\.py)\b", line))
+    return rows
+
+
+def test_the_layout_names_every_module_of_sidecar_in_its_folder_and_no_other() -> None:
+    rows = readme_layout()
+    named = {(folder if folder.endswith("/") else "sidecar/", module)
+             for folder, modules in rows.items() for module in modules
+             if folder.endswith("/") or module == Path(folder).name}
+    on_disk = {(f"{path.parent.relative_to(REPO).as_posix()}/", path.name)
+               for path in (REPO / "sidecar").rglob("*.py") if path.name != "__init__.py"}
+    assert sorted(on_disk - named) == [], "modules the README's layout does not name"
+    assert sorted(named - on_disk) == [], "modules the README's layout names that do not exist"
+
+
+# ---- the quick start, run as written ------------------------------------------------------
+
+
+def quick_start() -> tuple[list[str], dict[str, object]]:
+    """The `sh` blocks of "The two commands" after the first (make run / make test), each one
+    script, and the JSON answer it shows for the first curl."""
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## The two commands"):text.index("## How it fits together")]
+    blocks = re.findall(r"```(sh|json)\n(.*?)```", section, flags=re.DOTALL)
+    scripts = [body for kind, body in blocks if kind == "sh"][1:]
+    answer = json.loads(next(body for kind, body in blocks if kind == "json"))
+    return scripts, answer
+
+
+def make_run_recipe() -> list[str]:
+    """The commands of the Makefile's `run` target."""
+    lines = (REPO / "Makefile").read_text().splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("run:")))
+    recipe = []
+    for line in lines[start + 1:]:
+        if not line.startswith("\t"):
+            break
+        recipe.append(line.strip())
+    return recipe
+
+
+def test_the_quick_start_runs_in_order_as_written(tmp_path: Path) -> None:
+    """From `make run` (its recipe, in an empty folder, on a free port) through every command
+    of the README's quick start, in order: each one succeeds, and the first answer has the
+    fields the README shows."""
+    scripts, shown = quick_start()
+    bin_dir = str(Path(sys.executable).parent)
+    port = free_port()
+    env = {**os.environ, "LORA_SIDECAR_PORT": str(port),
+           "LORA_SIDECAR_URL": f"http://127.0.0.1:{port}"}
+    *setup, serve = [line.replace("$(BIN)", bin_dir) for line in make_run_recipe()]
+    for command in setup:
+        subprocess.run(["sh", "-c", command], cwd=tmp_path, env=env, check=True, timeout=60)
+    log = (tmp_path / "serve.log").open("wb")
+    process = subprocess.Popen(["sh", "-c", serve], cwd=tmp_path, env=env, stdout=log,
+                               stderr=subprocess.STDOUT)
+
+    def ready() -> bool:
+        if http_status(f"http://127.0.0.1:{port}/readyz") == 200:
+            return True
+        assert process.poll() is None, (tmp_path / "serve.log").read_text()
+        return False
+
+    try:
+        eventually_blocking(ready, timeout_s=30, poll_s=0.1,
+                            what=lambda: (tmp_path / "serve.log").read_text())
+        outputs = []
+        for script in scripts:
+            script = script.replace("localhost:8500", f"localhost:{port}").replace(
+                ".venv/bin/", f"{bin_dir}/")
+            done = subprocess.run(["sh", "-ec", script], cwd=tmp_path, env=env,
+                                  capture_output=True, text=True, timeout=120, check=False)
+            assert done.returncode == 0, (script, done.stdout, done.stderr)
+            outputs.append(done.stdout)
+    finally:
+        process.terminate()
+        process.wait(20)
+        log.close()
+    answer = json.loads(outputs[0])
+    assert set(answer) == set(shown)
+    for key in ("adapter_id", "size_bytes", "lora_name", "cached", "lease_id",
+                "lease_expires_at"):
+        assert answer[key] == shown[key], key
+    assert answer["local_path"] == str(tmp_path / ".lora-cache" / "adapters" /
+                                       "example-support-v1")
+    assert str(shown["content_digest"]).rstrip("…") in answer["content_digest"]

@@ -1,0 +1,312 @@
+"""transfer.py's pure parts: how an object is cut into ranged GETs, and positional writes that
+land every byte at its offset even when the kernel takes fewer bytes than offered."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sidecar.registry import transfer
+from tests.support.waiting import eventually
+
+
+def test_pwrite_all_finishes_after_short_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_pwritev = os.pwritev
+    calls = []
+
+    def short_pwritev(fd: int, buffers: list[memoryview], offset: int) -> int:
+        # At most 5 bytes per call, so buffers are split and dropped at every boundary.
+        calls.append(offset)
+        remaining = 5
+        taken = []
+        for view in buffers:
+            if remaining == 0:
+                break
+            taken.append(view[:remaining])
+            remaining -= len(taken[-1])
+        return real_pwritev(fd, taken, offset)
+
+    monkeypatch.setattr(transfer.os, "pwritev", short_pwritev)
+    chunks = [b"abc", b"", b"defghijk", b"l", b"mnopqrstuvwxyz"]
+    dest = tmp_path / "f"
+    fd = os.open(dest, os.O_RDWR | os.O_CREAT)
+    try:
+        os.ftruncate(fd, 30)
+        written = transfer._pwrite_all(fd, chunks, 4)
+    finally:
+        os.close(fd)
+    assert written == 26
+    assert dest.read_bytes() == b"\0" * 4 + b"abcdefghijklmnopqrstuvwxyz"
+    assert len(calls) == 6
+
+
+def _part_sizes(size_bytes: int, concurrency: int) -> list[int]:
+    policy = transfer.TransferPolicy(8 << 20, 1, asyncio.Semaphore(1), concurrency)
+    starts = transfer.part_starts(size_bytes, policy)
+    return [end - start for start, end in zip(starts, [*starts[1:], size_bytes], strict=True)]
+
+
+def test_an_object_of_one_part_size_or_less_is_one_get() -> None:
+    assert _part_sizes(0, 16) == [0]
+    assert _part_sizes(1000, 16) == [1000]
+    assert _part_sizes(8 << 20, 16) == [8 << 20]
+
+
+def test_a_larger_object_fills_every_round_of_parallel_gets() -> None:
+    # 27 MB: a dozen connections carry a 2 MiB share each, not 4 of them 8 MiB each.
+    assert len(_part_sizes(27_000_000, 16)) == 27_000_000 // transfer.MIN_SPLIT_PART_BYTES == 12
+    # 336 MB is 40 parts of 8 MiB: three rounds of 16, so 48 equal parts fill the third.
+    sizes = _part_sizes(336_000_000, 16)
+    assert len(sizes) == 48 and max(sizes) - min(sizes) <= 1
+    # Just over one part size: no more parts than the smallest split allows.
+    assert len(_part_sizes((8 << 20) + 1, 16)) == (8 << 20) // transfer.MIN_SPLIT_PART_BYTES
+    # One GET at a time: as few parts as the part size allows, of equal size.
+    sizes = _part_sizes(20 << 20, 1)
+    assert len(sizes) == 3 and max(sizes) - min(sizes) <= 1
+
+
+@given(size_bytes=st.integers(0, 10**10), concurrency=st.integers(1, 64))
+def test_parts_cover_the_object_once_and_never_exceed_the_part_size(
+    size_bytes: int, concurrency: int
+) -> None:
+    sizes = _part_sizes(size_bytes, concurrency)
+    assert sum(sizes) == size_bytes
+    assert all(0 < s <= 8 << 20 for s in sizes) or sizes == [0]
+
+
+class _OpenedRange:
+    """A range stream that only records how it ended."""
+
+    def __init__(self) -> None:
+        self.ended: list[str] = []
+
+    def readinto(self, buffer: memoryview) -> int:
+        raise AssertionError("a cancelled download must not read")
+
+    def close(self) -> None:
+        self.ended.append("closed")
+
+    def abort(self) -> None:
+        self.ended.append("aborted")
+
+
+async def test_a_range_opened_after_its_download_was_cancelled_is_aborted(
+    tmp_path: Path,
+) -> None:
+    # A worker thread cannot be interrupted: when the download is cancelled (another file
+    # failed, the disk filled) while a thread is still connecting, whatever it opens must not
+    # be left holding its connection.
+    opening = asyncio.Event()
+    proceed = threading.Event()
+    opened: list[_OpenedRange] = []
+    loop = asyncio.get_running_loop()
+
+    def open_range(start: int, end: int) -> _OpenedRange:
+        loop.call_soon_threadsafe(opening.set)
+        assert proceed.wait(10)
+        opened.append(_OpenedRange())
+        return opened[-1]
+
+    policy = transfer.TransferPolicy(8 << 20, 1, asyncio.Semaphore(1), 1)
+    download = asyncio.create_task(
+        transfer.download(open_range, tmp_path / "f", 1000, policy))
+    await asyncio.wait_for(opening.wait(), 10)
+    download.cancel()
+    proceed.set()
+    with pytest.raises(asyncio.CancelledError):
+        await download
+    # Aborted (never back to a pool half-read), then closed.
+    assert [stream.ended for stream in opened] == [["aborted", "closed"]]
+
+
+# ---- descriptors and worker threads: a thread cannot be cancelled ---------------------------
+
+
+class _BytesRange:
+    """A range of an in-memory object."""
+
+    def __init__(self, data: bytes, start: int, end: int) -> None:
+        self._data, self._offset, self._end = data, start, end
+
+    def readinto(self, buffer: memoryview) -> int:
+        n = min(len(buffer), self._end - self._offset)
+        buffer[:n] = self._data[self._offset:self._offset + n]
+        self._offset += n
+        return n
+
+    def close(self) -> None:
+        return None
+
+    def abort(self) -> None:
+        return None
+
+
+def _open_to(path: Path) -> list[int]:
+    """This process's descriptors open on `path`."""
+    found = []
+    for entry in Path("/proc/self/fd").iterdir():
+        try:
+            if os.readlink(entry) == str(path):
+                found.append(int(entry.name))
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor)
+    return found
+
+
+class _Gate:
+    """Holds a worker thread inside a call until the test lets it go."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.entered = asyncio.Event()
+        self.proceed = threading.Event()
+
+    def hold(self) -> None:  # in the worker thread
+        self._loop.call_soon_threadsafe(self.entered.set)
+        assert self.proceed.wait(10)
+
+
+def _cleaning_up(monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """Set once a cancelled download's clean-up waits for its worker threads (`drain`)."""
+    waiting = asyncio.Event()
+    drain = transfer._Threads.drain
+
+    async def noted_drain(threads: transfer._Threads) -> None:
+        waiting.set()
+        await drain(threads)
+
+    monkeypatch.setattr(transfer._Threads, "drain", noted_drain)
+    return waiting
+
+
+async def test_a_file_opened_after_its_download_was_cancelled_is_closed_not_leaked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A slow filesystem: the worker thread is still creating the file when the download is
+    # cancelled (another file of the adapter failed, the caller gave up).
+    gate = _Gate(asyncio.get_running_loop())
+    real_open = transfer._open_presized
+
+    def slow_open(dest: Path, size_bytes: int) -> int:
+        gate.hold()
+        return real_open(dest, size_bytes)
+
+    monkeypatch.setattr(transfer, "_open_presized", slow_open)
+    dest = tmp_path / "f"
+    data = os.urandom(1000)
+    policy = transfer.TransferPolicy(8 << 20, 1, asyncio.Semaphore(1), 1)
+    download = asyncio.create_task(transfer.download(
+        lambda start, end: _BytesRange(data, start, end), dest, len(data), policy))
+    await asyncio.wait_for(gate.entered.wait(), 10)
+    download.cancel()
+    gate.proceed.set()
+    with pytest.raises(asyncio.CancelledError):
+        await download
+
+    await eventually(lambda: dest.exists() and not _open_to(dest), timeout_s=5, poll_s=0.01,
+                     what="the file closed")
+
+
+async def test_a_second_cancel_during_clean_up_never_closes_a_file_a_thread_still_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A worker thread is blocked in a write (a slow disk) when the download is cancelled;
+    # while the clean-up waits for that thread, a second cancel arrives. The descriptor must
+    # stay open until the thread is done: closed early, its number goes to the next file
+    # opened, and the late write lands in that file.
+    gate = _Gate(asyncio.get_running_loop())
+    real_pwrite = transfer._pwrite_all
+
+    def slow_write(fd: int, buffers: list[memoryview], offset: int) -> int:
+        gate.hold()
+        return real_pwrite(fd, buffers, offset)
+
+    monkeypatch.setattr(transfer, "_pwrite_all", slow_write)
+    cleaning_up = _cleaning_up(monkeypatch)
+    dest = tmp_path / "f"
+    data = os.urandom(100_000)
+    policy = transfer.TransferPolicy(8 << 20, 1, asyncio.Semaphore(1), 1)
+    download = asyncio.create_task(transfer.download(
+        lambda start, end: _BytesRange(data, start, end), dest, len(data), policy))
+    await asyncio.wait_for(gate.entered.wait(), 10)
+    download.cancel()
+    await asyncio.wait_for(cleaning_up.wait(), 10)  # it now waits for the blocked thread
+    download.cancel()
+    await asyncio.gather(download, return_exceptions=True)
+
+    other = tmp_path / "another-file"
+    fd = os.open(other, os.O_RDWR | os.O_CREAT, 0o644)  # the lowest free number
+    try:
+        gate.proceed.set()
+        await eventually(lambda: not _open_to(dest), timeout_s=5, poll_s=0.01,
+                         what="the file closed once the thread is done")
+        assert os.fstat(fd).st_size == 0, "the late write landed in another file"
+    finally:
+        os.close(fd)
+    assert dest.read_bytes()[:1000] == data[:1000]
+
+
+async def test_a_descriptor_left_to_close_survives_a_job_that_ends_while_another_runs(
+    tmp_path: Path,
+) -> None:
+    # A download's descriptor is closed once its last worker job ends; one job ending while
+    # another still runs must neither close it nor forget it.
+    threads = transfer._Threads(transfer.transfer_executor(2))
+    first, second = threading.Event(), threading.Event()
+    jobs = [threads.submit(first.wait, 10), threads.submit(second.wait, 10)]
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    threads.close_when_idle(fd)
+    assert _open_to(path) == [fd]  # jobs run: not closed under them
+    first.set()
+    await asyncio.wrap_future(jobs[0])
+    assert _open_to(path) == [fd]  # one job still runs
+    second.set()
+    await asyncio.wrap_future(jobs[1])
+    await eventually(lambda: not _open_to(path), timeout_s=5, poll_s=0.01,
+                     what="the file closed by the last job's end, not leaked")
+
+
+async def test_the_hasher_never_closes_a_file_a_thread_still_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gate = _Gate(asyncio.get_running_loop())
+    real_hash = transfer._hash_range
+    read_from: list[str] = []
+
+    def slow_hash(fd: int, digest: Any, buffer: bytearray, offset: int, length: int) -> None:
+        gate.hold()
+        read_from.append(os.readlink(f"/proc/self/fd/{fd}"))  # what the number means now
+        real_hash(fd, digest, buffer, offset, length)
+
+    monkeypatch.setattr(transfer, "_hash_range", slow_hash)
+    cleaning_up = _cleaning_up(monkeypatch)
+    dest = tmp_path / "f"
+    data = os.urandom(100_000)
+    policy = transfer.TransferPolicy(8 << 20, 1, asyncio.Semaphore(1), 1)
+    download = asyncio.create_task(transfer.download(
+        lambda start, end: _BytesRange(data, start, end), dest, len(data), policy,
+        sha256=True))
+    await asyncio.wait_for(gate.entered.wait(), 10)
+    download.cancel()
+    await asyncio.wait_for(cleaning_up.wait(), 10)  # the hasher's task has ended
+    other = tmp_path / "another-file"
+    fd = os.open(other, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        gate.proceed.set()
+        await asyncio.gather(download, return_exceptions=True)
+        await eventually(lambda: bool(read_from), timeout_s=5, poll_s=0.01,
+                         what="the hasher's read")
+    finally:
+        os.close(fd)
+    assert read_from == [str(dest)]
+    await eventually(lambda: not _open_to(dest), timeout_s=5, poll_s=0.01, what="the file closed")
