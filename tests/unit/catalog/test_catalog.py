@@ -8,6 +8,8 @@ tests/triton/, with the real engine in tests/engine/."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -532,6 +534,50 @@ async def test_a_spare_the_engine_read_before_it_was_given_is_never_given(
     assert sorted(reloads.status()["spares"]["burnt"]) == spares[:3]
     with pytest.raises(CatalogPending, match="no spare name is left"):
         await world.stage("a2")
+
+
+class WatchesRunOut:
+    """libc as inotify answers once fs.inotify.max_user_watches is reached (fault injection):
+    after `left` watches, inotify_add_watch fails with ENOSPC; every other call is libc's."""
+
+    def __init__(self, libc: Any, left: int) -> None:
+        self._libc, self.left = libc, left
+
+    def inotify_add_watch(self, fd: int, path: bytes, mask: int) -> int:
+        if self.left == 0:
+            ctypes.set_errno(errno.ENOSPC)
+            return -1
+        self.left -= 1
+        return int(self._libc.inotify_add_watch(fd, path, mask))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._libc, name)
+
+
+async def test_a_spare_whose_no_op_inotify_cannot_watch_is_never_given(
+    world: World, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    real_cdll = ctypes.CDLL
+    monkeypatch.setattr(ctypes, "CDLL",
+                        lambda *args, **kwargs: WatchesRunOut(real_cdll(*args, **kwargs), left=2))
+    for adapter_id in ("a1", "a2", "a3"):
+        world.add_adapter(adapter_id)
+    reloads = await serving(world)  # four spares; inotify watches only two of their no-ops
+    assert world.names is not None
+    watched = sorted(name for name in spares_of(world)
+                     if world.names.reads.is_watched((1, name)))
+    assert len(watched) == 2 and len(spares_of(world)) == 4
+
+    given = sorted([await world.stage("a1"), await world.stage("a2")])
+    with pytest.raises(CatalogPending, match="no spare name is left"):
+        await world.stage("a3")  # two spares left, but a read of them would go unseen
+
+    assert given == watched
+    assert sorted(reloads.status()["spares"]["bound"]) == watched
+    warnings = [r.getMessage() for r in caplog.records
+                if "cannot be watched are not handed out" in r.getMessage()]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0], warnings
+    assert "max_user_watches" in warnings[0]
 
 
 async def test_a_stage_that_cannot_be_named_yet_gives_its_lease_back(world: World) -> None:
