@@ -21,8 +21,9 @@ from typing import Any
 
 from ..core.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from ..core.ids import is_valid_adapter_id
+from ..core.options import Option, options_of
 from ..core.units import format_size
-from ..validation.options import LLAMA_TARGET_MODULES
+from ..validation.options import ValidationOptions
 
 DEFAULT_URL = "http://127.0.0.1:8500"
 Handler = Callable[[argparse.Namespace], int]
@@ -277,19 +278,31 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from ..validation.signing_policy import NO_POLICY, SigningPolicy
     from ..validation.validate import Rules, run_validate
 
+    values: dict[str, Any] = {}
+    for declared in _validate_options():
+        raw = getattr(args, declared.field)
+        if raw is None:
+            raw = os.environ.get(declared.env_var, declared.default)
+        try:
+            values[declared.field] = declared.parse(raw)
+        except (ValueError, TypeError) as exc:
+            print(f"error: {declared.flag} ({declared.env_var}) = {raw!r}: {exc}",
+                  file=sys.stderr)
+            return EXIT_USAGE
     try:
-        shapes = ModelShapes.from_file(args.base_model_config) if args.base_model_config else None
+        shapes = (ModelShapes.from_file(values["base_model_config"])
+                  if values["base_model_config"] else None)
     except (OSError, ValueError) as exc:
         print(f"error: --base-model-config: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    modules = [m.strip() for m in args.allowed_target_modules.split(",") if m.strip()]
     try:
         signing = SigningPolicy.load(args.policy) if args.policy else NO_POLICY
     except ValueError as exc:
         print(f"error: --policy {args.policy}: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    rules = Rules(max_lora_rank=args.max_lora_rank, allowed_target_modules=frozenset(modules),
-                  base_model=args.base_model, shapes=shapes, signing=signing)
+    rules = Rules(max_lora_rank=values["max_lora_rank"],
+                  allowed_target_modules=frozenset(values["allowed_target_modules"]),
+                  base_model=values["base_model"], shapes=shapes, signing=signing)
     if not args.path.is_dir():
         print(f"error: {args.path} is not a folder", file=sys.stderr)
         return EXIT_USAGE
@@ -404,6 +417,14 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
                    help="seconds to wait for /readyz after staging (default 60)")
 
 
+def _validate_options() -> tuple[Option, ...]:
+    """The rules `validate` shares with `serve`: the same flags, parsers and defaults, and the
+    same LORA_SIDECAR_* variables, so a folder is judged as the sidecar started in that
+    environment would judge it (the signing policy is `--policy` here)."""
+    shared = ("max_lora_rank", "allowed_target_modules", "base_model", "base_model_config")
+    return tuple(o for o in options_of(ValidationOptions) if o.field in shared)
+
+
 def add_validate_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "validate", allow_abbrev=False,
@@ -412,13 +433,12 @@ def add_validate_command(subparsers: argparse._SubParsersAction[argparse.Argumen
         "before publishing; exit 0 if valid, 1 with every problem listed if not.",
     )
     p.add_argument("path", type=Path)
-    p.add_argument("--max-lora-rank", type=int, default=16, help="default 16")
-    p.add_argument("--allowed-target-modules", default=",".join(LLAMA_TARGET_MODULES),
-                   help="comma-separated (default: the Llama family's projections)")
-    p.add_argument("--base-model", default=None,
-                   help="require base_model_name_or_path to equal this")
-    p.add_argument("--base-model-config", type=Path, default=None,
-                   help="the base model's config.json: check tensor shapes against it")
+    for declared in _validate_options():
+        shown = declared.default_text or declared.default or "unset"
+        p.add_argument(declared.flag, dest=declared.field, default=None,
+                       metavar=declared.metavar,
+                       help=f"{declared.help} (default: ${declared.env_var}, "
+                       f"else {shown})")
     p.add_argument("--policy", type=Path, default=None,
                    help="a signing policy (the sidecar's --signing-policy): check the folder's "
                    "OMS signature (model.sig) as a stage of ADAPTER_ID would")

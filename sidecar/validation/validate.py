@@ -30,7 +30,7 @@ from .files import (
     listed,
     plan_folder,
 )
-from .options import LLAMA_TARGET_MODULES, ValidationOptions
+from .options import ValidationOptions
 from .problem import Problem
 from .safetensors_check import TensorInfo, check_safetensors, shown
 from .shapes import ATTENTION_MODULES, ModelShapes
@@ -51,10 +51,13 @@ _LLAMA_PATH = re.compile(r"model\.layers\.(?P<layer>0|[1-9][0-9]*)\.(?P<block>se
 _CHECKSUM_LINE = re.compile(r"(?P<digest>[0-9a-fA-F]{64}) [ *](?:\./)?(?P<name>.+)")
 
 
+_DEFAULTS = ValidationOptions()  # the options' own defaults, declared once there
+
+
 @dataclass(frozen=True, slots=True)
 class Rules:
-    max_lora_rank: int = 16
-    allowed_target_modules: frozenset[str] = frozenset(LLAMA_TARGET_MODULES)
+    max_lora_rank: int = _DEFAULTS.max_lora_rank
+    allowed_target_modules: frozenset[str] = frozenset(_DEFAULTS.allowed_target_modules)
     base_model: str | None = None
     shapes: ModelShapes | None = None  # from --base-model-config
     signing: SigningPolicy = NO_POLICY  # from --signing-policy

@@ -419,3 +419,29 @@ def test_a_signing_policy_that_cannot_work_stops_the_start_before_the_cache_is_t
     assert result.returncode == 2
     assert "--signing-policy" in result.stderr and "no [signers.nobody]" in result.stderr
     assert not (tmp_path / "cache").exists()
+
+
+def test_validate_judges_the_rank_by_the_same_setting_as_serve(tmp_path: Path) -> None:
+    """rank_too_large names --max-lora-rank (LORA_SIDECAR_MAX_LORA_RANK): validate reads that
+    variable as serve does, and its own flag overrides it."""
+    from sidecar.process.examples import write_adapter
+
+    folder = tmp_path / "rank-32-v1"
+    write_adapter(folder, rank=32)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORA_SIDECAR_")}
+
+    def validate(*args: str, **variables: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "sidecar", "validate", str(folder), *args],
+                              capture_output=True, text=True, timeout=60,
+                              env={**env, **variables})
+
+    default = validate()
+    assert default.returncode == 1, default.stdout + default.stderr
+    assert "rank_too_large" in default.stdout and "LORA_SIDECAR_MAX_LORA_RANK" in default.stdout
+    raised = validate(LORA_SIDECAR_MAX_LORA_RANK="32")
+    assert raised.returncode == 0, raised.stdout + raised.stderr
+    flag = validate("--max-lora-rank", "16", LORA_SIDECAR_MAX_LORA_RANK="32")
+    assert flag.returncode == 1 and "rank_too_large" in flag.stdout, flag.stdout
+    bad = validate(LORA_SIDECAR_MAX_LORA_RANK="zero")
+    assert bad.returncode == 2
+    assert "--max-lora-rank (LORA_SIDECAR_MAX_LORA_RANK) = 'zero'" in bad.stderr, bad.stderr
