@@ -75,3 +75,19 @@ def test_the_sidecar_runs_without_the_packages_only_tests_and_the_client_need() 
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=120, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_parsing_the_settings_loads_no_server_nor_storage_client() -> None:
+    """The layout's rule (README): settings parse without aiohttp or aiobotocore, so a client
+    command or a tool that reads them stays light, and config.py sits below the web layer."""
+    script = (
+        "import sys\n"
+        "from sidecar.config import Settings\n"
+        "Settings.from_values({'registry': 's3://bucket/lora', 'max_bytes': '10GiB'})\n"
+        "heavy = ('aiohttp', 'aiobotocore', 'botocore', 'watchdog')\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in heavy)))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "", f"parsing the settings imported: {result.stdout}"
