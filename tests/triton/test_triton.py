@@ -81,6 +81,42 @@ async def test_sixteen_concurrent_calls_over_eight_adapters_with_room_for_three(
     assert evicted is not None and evicted >= 5  # eight adapters went through three places
 
 
+async def test_thousands_of_calls_from_sixteen_clients_leave_the_routers_stubs_alive(
+    s3: S3Registry, node_sidecar: StartNodeSidecar, grpc: Any, triton_node: TritonNode
+) -> None:
+    """The router's BLS streams under load: before the router kept its finished streams
+    (model.py, _FinishedStreams), the stub freed them on its own thread without the GIL and 16
+    clients killed both router stubs before 12,000 calls were answered ("Stub process ... is
+    not healthy"; the same test failed so). Every call must be answered, with its adapter's
+    text."""
+    adapter_ids = [f"load-{n}-v1" for n in range(4)]
+    weights = {a: s3.put_adapter(a, seed=300 + n)[WEIGHTS] for n, a in enumerate(adapter_ids)}
+    await node_sidecar()
+    calls = 12000
+    failures: list[str] = []
+    wrong: list[str] = []
+    queue = iter(range(calls))
+
+    async def client() -> None:
+        for n in queue:
+            adapter_id, prompt = adapter_ids[n % 4], f"p{n % 16}"
+            try:
+                answer = await ask(grpc, adapter_id, prompt, {"max_tokens": 2})
+            except InferenceServerException as exc:
+                failures.append(str(exc)[:160])
+                continue
+            if answer != expected_text(weights[adapter_id], prompt, max_tokens=2):
+                wrong.append(f"{adapter_id} {prompt}: {answer!r}")
+
+    await asyncio.gather(*(client() for _ in range(16)))
+
+    log = triton_node.server.log_text()
+    assert not failures, (f"{len(failures)} of {calls} failed, first: {failures[:3]}\n"
+                          f"{triton_node.server.log_tail()}")
+    assert not wrong, wrong[:5]
+    assert "Segmentation fault" not in log and "Reference count error" not in log
+
+
 async def test_unknown_adapter_is_not_found(
     triton_node: TritonNode, node_sidecar: StartNodeSidecar, grpc: Any,
     capsys: pytest.CaptureFixture[str],
