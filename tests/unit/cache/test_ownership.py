@@ -44,13 +44,18 @@ def run_second(tmp_path: Path, port: int, *extra: str) -> tuple[subprocess.Compl
 
 
 def wait_catalog_lists(url: str, adapter_ids: set[str], timeout_s: float = 30) -> None:
-    """The first process renders its catalog after each new adapter, on its own: the snapshot
-    is taken once that work is done, so only a second process could change it afterwards."""
+    """The first process names each new adapter in its catalog on its own (by its own name in
+    a generation rendered after it was staged, or by a spare bound to it, whichever came
+    first): the snapshot is taken once that work is done, so only a second process could
+    change it afterwards."""
 
     def listed() -> bool:
         status, body = get_blocking(url, "/catalog")
-        ids = body.get("adapter_ids")
-        return status == 200 and isinstance(ids, list) and adapter_ids <= set(ids)
+        if status != 200 or not isinstance(body.get("adapter_ids"), list):
+            return False
+        named = set(body["adapter_ids"])
+        named |= {version.split("@")[0] for version in body["spares"]["bound"].values()}
+        return adapter_ids <= named
 
     eventually_blocking(listed, timeout_s=timeout_s, poll_s=0.1,
                         what=lambda: f"the catalog listing {adapter_ids} "
