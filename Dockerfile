@@ -16,6 +16,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # Build in a throw-away stage: the source tree and pip's build environment stay out of the image.
+# With the `signing` extra: the node's sidecar and minio-init's uploader can check signatures.
 FROM base AS build
 # python3, not python: Debian's own interpreter has no `python` command.
 RUN python3 -m venv /opt/venv
@@ -26,7 +27,7 @@ COPY sidecar ./sidecar
 # that re-signs TLS. Without it pip uses its own certificates.
 RUN --mount=type=secret,id=ca \
     if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi \
-    && /opt/venv/bin/pip install --no-cache-dir .
+    && /opt/venv/bin/pip install --no-cache-dir '.[signing]'
 
 FROM base
 # A fixed uid/gid: a host folder used as the cache must be writable by it (see compose/README.md).

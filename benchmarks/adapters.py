@@ -13,8 +13,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from sidecar.process.examples import write_adapter
+from sidecar.validation.oms import sign_folder
 from sidecar.validation.shapes import ATTENTION_MODULES, LLAMA_3_8B, MLP_MODULES
-from sidecar.validation.signatures import sign_folder
 from sidecar.validation.validate import SIGNATURE_FILE
 
 BUCKET = "lsbench"

@@ -316,7 +316,13 @@ def cmd_sign(args: argparse.Namespace) -> int:
     from ..cache.records import content_digest
     from ..core.filehash import hash_file
     from ..validation.files import SIGNATURE_FILE, listed, plan_folder
-    from ..validation.signatures import sign_folder
+    from ..validation.signing_policy import signing_extra_missing
+
+    missing = signing_extra_missing()
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return EXIT_USAGE
+    from ..validation.oms import sign_folder
 
     folder: Path = args.folder
     if not folder.is_dir():

@@ -17,6 +17,7 @@ from ..core.options import (
     parse_list,
     parse_optional_str,
 )
+from .signing_policy import SigningPolicy
 
 LLAMA_TARGET_MODULES = (
     "q_proj",
@@ -44,9 +45,6 @@ def parse_signing_policy(text: str) -> Path | None:
     others, before the cache is touched (Rules reads it again for its own use)."""
     path = parse_existing_file(text)
     if path is not None:
-        # Imported here: it brings `cryptography`, which the client commands never need.
-        from .signing_policy import SigningPolicy
-
         SigningPolicy.load(path)
     return path
 

@@ -1,6 +1,8 @@
 """The signing policy (`--signing-policy FILE`, TOML): per adapter id (the first `[[adapters]]`
 rule whose id, prefix or glob matches; none: `off`), a mode and the signers allowed, public keys
 or X.509 roots with an identity. Read once at start; without a file every adapter is `off`.
+A policy needs the `signing` extra (model-signing and its cryptography); without a policy
+nothing here loads them.
 """
 
 from __future__ import annotations
@@ -8,24 +10,40 @@ from __future__ import annotations
 import datetime
 import fnmatch
 import hashlib
+import importlib.util
 import json
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
-
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from typing import TYPE_CHECKING, Any
 
 from ..core.ids import is_valid_adapter_id
+
+if TYPE_CHECKING:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
 
 POLICY_MAX_BYTES = 1024 * 1024
 # The curves OMS (model_signing) signs and verifies with.
 _CURVES = ("secp256r1", "secp384r1", "secp521r1")
 _GLOB_CHARACTERS = frozenset("*?[")
+# What checking and making OMS signatures imports (oms.py): the `signing` extra.
+_SIGNING_MODULES = ("model_signing", "cryptography", "OpenSSL")
+SIGNING_EXTRA = "pip install 'lora-sidecar[signing]'"
+
+
+def signing_extra_missing() -> str | None:
+    """None when the `signing` extra is installed; otherwise what is missing and how to
+    install it (as `make run`'s .venv: only `make test`'s has it)."""
+    missing = [m for m in _SIGNING_MODULES if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return (f"signed adapters need the `signing` extra, which this Python lacks "
+            f"({', '.join(missing)} cannot be imported): install it into the sidecar's "
+            f"environment with `{SIGNING_EXTRA}` (from a clone: `.venv/bin/pip install -e "
+            "'.[signing]'`)")
 
 
 class SignatureMode(StrEnum):
@@ -105,6 +123,8 @@ def describe_signer(signer: Signer) -> str:
 def _signer_material(signer: Signer) -> str:
     if isinstance(signer, KeySigner):
         return f"key {signer.identity}"
+    from cryptography.hazmat.primitives import serialization
+
     roots = sorted(hashlib.sha256(r.public_bytes(serialization.Encoding.DER)).hexdigest()
                    for r in signer.roots)
     return f"certificate {signer.identity!r} roots {','.join(roots)}"
@@ -127,7 +147,11 @@ class SigningPolicy:
 
     @classmethod
     def load(cls, path: Path) -> SigningPolicy:
-        """Read and check a policy file; ValueError lists every problem found."""
+        """Read and check a policy file; ValueError lists every problem found (or says that
+        the `signing` extra is missing)."""
+        missing = signing_extra_missing()
+        if missing:
+            raise ValueError(missing)
         try:
             with open(path, "rb") as f:
                 raw = f.read(POLICY_MAX_BYTES + 1)
@@ -217,6 +241,8 @@ def _parse_signer(name: str, entry: object, base: Path, problems: list[str]) -> 
             isinstance(r, str) for r in roots_raw):
         problems.append(f"{where}: certificate_roots must be a list of PEM files")
         return None
+    from cryptography import x509
+
     roots: list[x509.Certificate] = []
     paths = tuple(_resolve(base, r) for r in roots_raw)
     now = datetime.datetime.now(datetime.UTC)
@@ -244,6 +270,9 @@ def _key_signer(where: str, name: str, raw: object, base: Path,
     if not isinstance(raw, str) or not raw.strip():
         problems.append(f"{where}: public_key must be a file name")
         return None
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
     path = _resolve(base, raw)
     try:
         key = serialization.load_pem_public_key(path.read_bytes())
@@ -262,6 +291,8 @@ def _key_signer(where: str, name: str, raw: object, base: Path,
 
 def key_identity(key: ec.EllipticCurvePublicKey) -> str:
     """`sha256:` and the SHA-256 of the key's PEM form, as model_signing's key hint."""
+    from cryptography.hazmat.primitives import serialization
+
     pem = key.public_bytes(serialization.Encoding.PEM,
                            serialization.PublicFormat.SubjectPublicKeyInfo)
     return "sha256:" + hashlib.sha256(pem).hexdigest()

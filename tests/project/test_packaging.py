@@ -9,7 +9,11 @@ import sys
 import zipfile
 from pathlib import Path
 
+from sidecar.process.examples import write_adapter
 from tests.support.paths import REPO
+from tests.support.processes import free_port, http_status, stage_blocking
+from tests.support.signing_keys import key_policy, make_key, sign_with_key
+from tests.support.waiting import eventually_blocking
 
 BANNERS = ("DeprecationWarning", "InformationOnly", "BuildBackendWarning")
 
@@ -91,3 +95,65 @@ def test_parsing_the_settings_loads_no_server_nor_storage_client() -> None:
                             timeout=120, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "", f"parsing the settings imported: {result.stdout}"
+
+
+def test_without_the_signing_extra_the_sidecar_serves_and_a_policy_says_what_to_install(
+        tmp_path: Path) -> None:
+    """`make run`'s venv: the project's dependencies, no `signing` extra. The sidecar serves
+    (an adapter's model.sig published unread, as with no policy), and everything that would
+    check or make a signature stops with exit 2 naming the extra to install."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    bin_dir = venv / "bin"
+    installed = subprocess.run(
+        [str(bin_dir / "python"), "-m", "pip", "install", "--quiet",
+         "--disable-pip-version-check", "-e", str(REPO)],
+        capture_output=True, text=True, timeout=900)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    for module in ("model_signing", "cryptography", "sigstore"):
+        found = subprocess.run([str(bin_dir / "python"), "-c", f"import {module}"],
+                               capture_output=True, timeout=60)
+        assert found.returncode != 0, f"{module} is installed without the signing extra"
+
+    registry = tmp_path / "registry"
+    write_adapter(registry / "signed-v1", rank=4, seed=1)
+    key = make_key(tmp_path / "keys", "publisher")
+    sign_with_key(registry / "signed-v1", key)  # with this process's extra
+    policy = key_policy(tmp_path / "keys", key)
+    tool = str(bin_dir / "lora-sidecar")
+
+    def refused(*args: str) -> str:
+        done = subprocess.run([tool, *args], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, (args, done.returncode, done.stdout, done.stderr)
+        assert "lora-sidecar[signing]" in done.stderr, done.stderr
+        return done.stderr
+
+    refused("validate", str(registry / "signed-v1"), "--policy", str(policy))
+    refused("sign", str(registry / "signed-v1"), "--key", str(key.private))
+    refused("serve", "--registry", str(registry), "--cache-root", str(tmp_path / "refused"),
+            "--signing-policy", str(policy), "--port", str(free_port()))
+    assert not (tmp_path / "refused").exists()
+
+    checked = subprocess.run([tool, "validate", str(registry / "signed-v1")],
+                             capture_output=True, text=True, timeout=120)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "serve.log", "wb") as log:
+        serve = subprocess.Popen(
+            [tool, "serve", "--registry", str(registry), "--cache-root", str(tmp_path / "cache"),
+             "--port", str(port), "--min-free-disk", "0"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        eventually_blocking(lambda: http_status(f"{url}/readyz") == 200, timeout_s=60,
+                            what=lambda: (tmp_path / "serve.log").read_text()[-2000:])
+        status, body = stage_blocking(url, "signed-v1", 60, lease=False)
+        assert status == 200, body
+        assert body["signer"] is None
+        published = tmp_path / "cache" / "adapters" / "signed-v1"
+        assert (published / "model.sig").read_bytes() == (
+            registry / "signed-v1" / "model.sig").read_bytes()
+    finally:
+        serve.terminate()
+        serve.wait(timeout=30)
+    log_text = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in log_text, log_text[-3000:]

@@ -13,7 +13,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from sidecar.validation.signatures import sign_folder
+from sidecar.validation.oms import sign_folder
 from sidecar.validation.signing_policy import SigningPolicy
 
 _NOW = datetime.datetime.now(datetime.UTC)

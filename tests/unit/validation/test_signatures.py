@@ -16,10 +16,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from sidecar.core.filehash import hash_file
 from sidecar.process.examples import write_adapter
+from sidecar.validation.oms import certificate_identities
 from sidecar.validation.signatures import (
     SIGNATURE_CODES,
     SignatureVerdict,
-    certificate_identities,
     check_signature,
     verify_folder,
 )
