@@ -17,13 +17,13 @@ ifeq ($(INSTALLER),uv)
 INSTALL_TOOL := $(BIN)/uv
 INSTALL      := $(BIN)/uv pip install --quiet --native-tls --python $(BIN)/python
 else ifeq ($(INSTALLER),pip)
+# The venv's own pip, as it comes (any pip since 21.3 installs this project editable).
 INSTALL_TOOL := $(BIN)/python
 INSTALL      := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 else
 $(error INSTALLER must be uv or pip)
 endif
 
-# The venv's own pip is used as it comes (any pip since 21.3 installs this project editable).
 $(BIN)/python:
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ is needed"'
 	$(PYTHON) -m venv $(VENV)
