@@ -23,12 +23,12 @@ from ..core.errors import (
     SidecarError,
     StageTimeout,
 )
-from ..core.fsutil import EntryKind, iso_utc, remove_tree
+from ..core.fsutil import EntryKind, iso_utc
 from ..core.ids import check_adapter_id
 from ..core.logs import fields
 from ..core.metrics import Metrics
 from ..registry.base import AdapterRegistry, FetchedFile, Listing, RemoteFile
-from ..validation.files import SIGNATURE_FILE, WEIGHTS_FILE, plan_files
+from ..validation.files import CONFIG_FILE, SIGNATURE_FILE, WEIGHTS_FILE, plan_files
 from ..validation.problem import Problem
 from ..validation.signatures import (
     SIGNATURE_CODES,
@@ -38,35 +38,28 @@ from ..validation.signatures import (
     published_names,
 )
 from ..validation.signing_policy import SignatureMode
-from ..validation.validate import Rules, validate_adapter
+from ..validation.validate import Rules, judge_config, listed_size_problems, validate_adapter
 from ..validation.values import ValueReport, ValueScan, finish_scan
 from .admission import Passed, admit_staged
 from .leases import Lease
 from .lru import CachedAdapter
 from .records import FileRecord
+from .refusals import Refusals
 from .store import AdapterStore
 
 log = logging.getLogger(__name__)
 
 FETCH_ATTEMPTS = 3  # downloads of a file whose bytes did not arrive intact, the first included
-NOT_FOUND_MAX = 10_000  # ids remembered as not in the registry
-# A remembered refusal holds for the bytes it judged: the registry is listed again at most this
-# often while callers keep asking, and a changed listing (an upload finished, a fixed one) is
-# judged afresh at once.
-RELIST_REFUSED_S = 1.0
 SETTLE_STEP_S = 0.25  # past the settle time before listing again
 SETTLE_LISTINGS_MAX = 30  # an upload that never stops landing is staged as it is then
+# Of a caller's deadline, what is kept to answer 507 rather than 504 when room never freed.
+ROOM_ANSWER_S = 1.0
+# Stages fetching their small files (model.sig, adapter_config.json: at most 1 MiB each) to
+# judge them before any room is made: those bytes come on top of the budget meanwhile.
+JUDGE_FIRST_MAX = 4
 
 
 _Fetched = dict[str, tuple[FetchedFile, ValueReport | None]]
-
-
-@dataclass(slots=True)
-class _Refusal:
-    until: float  # monotonic: --refusal-ttl
-    error: InvalidAdapter
-    listing: tuple[object, ...]  # what the registry listed when it was judged
-    checked: float  # monotonic: when the listing was last seen unchanged
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,16 +86,14 @@ class Stager:
         self._registry = registry
         self._rules = rules
         self._metrics = metrics
-        self._refusal_ttl_s = refusal_ttl_s
-        self._not_found_ttl_s = not_found_ttl_s
         self._upload_settle_s = upload_settle_s
         self._on_registry_result = on_registry_result
         self._inflight: dict[str, asyncio.Task[None]] = {}
-        # Verdicts answered again without a fetch until they expire (monotonic seconds): a
-        # refusal for --refusal-ttl, "not in the registry" for --not-found-ttl. Ids asked for
-        # are the caller's choice, so the second map is bounded.
-        self._refused: dict[str, _Refusal] = {}
-        self._not_found: dict[str, tuple[float, AdapterNotFound]] = {}
+        # Verdicts answered again without a fetch until they expire.
+        self._refusals = Refusals(metrics, refusal_ttl_s=refusal_ttl_s,
+                                  not_found_ttl_s=not_found_ttl_s)
+        self._judging_first = asyncio.Semaphore(JUDGE_FIRST_MAX)
+        self._skew_logged = False
         # Children bound once: a labels() lookup per request shows on the hit path.
         results = ("hit", "miss", "error")
         self._requests = {r: metrics.stage_requests.labels(result=r) for r in results}
@@ -142,13 +133,14 @@ class Stager:
 
     async def _await_stage(self, adapter_id: str, timeout_s: float, lease: bool) -> StageResult:
         # A claim keeps the adapter from being evicted between its publication and our lease.
-        self._store.claim(adapter_id)
-        try:
+        with self._store.claim(adapter_id):
             while True:
                 task = self._inflight.get(adapter_id)
                 if task is None:
-                    self._raise_if_remembered(adapter_id)
-                    task = asyncio.create_task(self._stage_once(adapter_id),
+                    self._refusals.raise_if_remembered(adapter_id)
+                    # Room held by others is waited for within this caller's deadline.
+                    answer_by = time.monotonic() + timeout_s - ROOM_ANSWER_S
+                    task = asyncio.create_task(self._stage_once(adapter_id, answer_by),
                                                name=f"stage:{adapter_id}")
                     self._inflight[adapter_id] = task
                     task.add_done_callback(lambda _: self._inflight.pop(adapter_id, None))
@@ -168,13 +160,11 @@ class Stager:
                 # Forcibly evicted right after publication: stage it again.
                 log.info("adapter_id=%s was evicted before it could be leased; restaging",
                          adapter_id)
-        finally:
-            self._store.unclaim(adapter_id)
 
     async def pin(self, adapter_id: str, *, timeout_s: float) -> StageResult:
         """Stage an adapter and pin it: never evicted until unpinned. CacheFull before any
         download when pinned adapters would fill the adapter budget."""
-        self._store.pins.check_room(adapter_id)
+        self._store.check_pin_room(adapter_id)
         result = await self.stage(adapter_id, timeout_s=timeout_s, lease=False)
         self._store.pin(adapter_id)  # no await since the stage returned: it is still cached
         log.info("pinned adapter_id=%s", adapter_id)
@@ -195,107 +185,43 @@ class Stager:
                                    size_bytes=adapter.size_bytes))
         return StageResult(adapter, granted, cached)
 
-    def _raise_if_remembered(self, adapter_id: str) -> None:
-        now = time.monotonic()
-        refused = self._refused.get(adapter_id)
-        if refused is not None:
-            if now >= refused.until:
-                del self._refused[adapter_id]
-            elif now - refused.checked < RELIST_REFUSED_S:
-                raise refused.error.recalled()
-            # Else the stage lists the registry again: the same listing answers the verdict
-            # from memory, another one is judged afresh.
-        missing = self._not_found.get(adapter_id)
-        if missing is not None:
-            if now < missing[0]:
-                raise missing[1]
-            del self._not_found[adapter_id]
-
     def forget(self, adapter_id: str) -> bool:
         """Drop a remembered refusal (and "not found") so the next stage looks afresh; the
         operator's way out after fixing an adapter in place. True if a refusal was dropped."""
-        self._not_found.pop(adapter_id, None)
-        if self._refused.pop(adapter_id, None) is None:
-            return False
-        log.info("forgot the remembered refusal of adapter_id=%s", adapter_id,
-                 extra=fields(event="refusal_forgotten", adapter_id=adapter_id))
-        return True
-
-    def _remember_not_found(self, error: AdapterNotFound) -> None:
-        if self._not_found_ttl_s <= 0 or error.adapter_id is None:
-            return
-        now = time.monotonic()
-        if len(self._not_found) >= NOT_FOUND_MAX:
-            for adapter_id in [i for i, (until, _) in self._not_found.items() if until <= now]:
-                del self._not_found[adapter_id]
-            while len(self._not_found) >= NOT_FOUND_MAX:
-                del self._not_found[next(iter(self._not_found))]
-        remembered = AdapterNotFound(
-            f"{error.message} (remembered for {self._not_found_ttl_s:g}s, "
-            "--not-found-ttl: an adapter uploaded since is found once that has passed)",
-            adapter_id=error.adapter_id)
-        self._not_found[error.adapter_id] = (now + self._not_found_ttl_s, remembered)
-
-    def _recall(self, adapter_id: str, listing: Listing) -> None:
-        """Answer a remembered refusal if the registry still lists the bytes it judged."""
-        refused = self._refused.get(adapter_id)
-        if refused is None:
-            return
-        if refused.listing == listing.upload:
-            refused.checked = time.monotonic()
-            raise refused.error.recalled()
-        del self._refused[adapter_id]
-        log.info("adapter_id=%s changed in the registry since it was refused; judging it "
-                 "afresh", adapter_id, extra=fields(event="refusal_outdated",
-                                                     adapter_id=adapter_id))
+        return self._refusals.forget(adapter_id)
 
     def _refuse(self, adapter_id: str, problems: list[Problem],
                 listing: Listing) -> InvalidAdapter:
-        for code in sorted({p.code for p in problems}):
-            self._metrics.validation_failures.labels(reason=code).inc()
-        refused_at = time.time()
-        until = None if self._refusal_ttl_s <= 0 else iso_utc(refused_at + self._refusal_ttl_s)
-        error = InvalidAdapter(adapter_id, [p.to_json() for p in problems],
-                               refused_at=iso_utc(refused_at), remembered_until=until)
-        if self._refusal_ttl_s > 0:
-            now = time.monotonic()
-            self._refused[adapter_id] = _Refusal(now + self._refusal_ttl_s, error,
-                                                 listing.upload, now)
-        error.logged = True
-        log.warning("refused adapter_id=%s problems=%d: %s", adapter_id, len(problems),
-                    "; ".join(f"{p.code} {p.file}" for p in problems),
-                    extra=fields(event="refused", adapter_id=adapter_id,
-                                 problems=sorted({p.code for p in problems})))
-        return error
+        return self._refusals.refuse(adapter_id, problems, listing.upload)
 
     # ---- the one task per adapter -----------------------------------------------------
 
-    async def _stage_once(self, adapter_id: str) -> None:
+    async def _stage_once(self, adapter_id: str, answer_by: float) -> None:
+        """list -> judge -> reserve -> fetch -> validate -> admit. Everything that can refuse
+        the adapter without its weights is judged before room is reserved: a refused adapter
+        evicts nothing."""
         started = time.perf_counter()
-        staging: Path | None = None
-        reservation = None
         try:
             listing = await self._settled(adapter_id, await self._list(adapter_id))
             size_bytes = sum(f.size_bytes for f in listing.files)
-            reservation = self._store.reserve(adapter_id, size_bytes)
-            # Room made by evicting is on disk only once the evicted folders are deleted.
-            await self._store.settle_trash()
-            staging = await asyncio.to_thread(self._store.new_staging_dir, adapter_id)
-            verdict, got = await self._check_signature(adapter_id, listing, staging)
-            fetched, problems = await self._fetch_and_validate(adapter_id, listing, staging,
-                                                               verdict, got)
-            self._count_signature(verdict, problems)
-            if problems:
-                raise self._refuse(adapter_id, problems, listing)
-            passed = Passed(
-                adapter_id, self._registry.description,
-                {f.name: FileRecord(f.size_bytes, f.etag, got.crc32, got.sha256)
-                 for f, got in zip(listing.files, fetched, strict=True)},
-                verdict,
-                registry_checksums=any(got.registry_crc32 or got.registry_sha256
-                                       for got in fetched))
-            await admit_staged(self._store, staging, passed)
-            staging = None  # renamed into adapters/
+            self._judge_listed_sizes(adapter_id, listing)
+            self._store.fits_budget(adapter_id, size_bytes)
+            async with self._store.staging(adapter_id) as staging:
+                verdict, got = await self._judge_first(adapter_id, listing, staging.path)
+                await staging.reserve(size_bytes, wait_s=answer_by - time.monotonic())
+                fetched, problems = await self._fetch_and_validate(adapter_id, listing,
+                                                                   staging.path, verdict, got)
+                self._count_signature(verdict, problems)
+                if problems:
+                    raise self._refuse(adapter_id, problems, listing)
+                passed = Passed(
+                    adapter_id, self._registry.description,
+                    {f.name: FileRecord(f.size_bytes, f.etag, got.crc32, got.sha256)
+                     for f, got in zip(listing.files, fetched, strict=True)},
+                    verdict,
+                    registry_checksums=any(got.registry_crc32 or got.registry_sha256
+                                           for got in fetched))
+                await admit_staged(self._store, staging.path, passed)
             elapsed = time.perf_counter() - started
             self._metrics.download_duration.observe(elapsed)
             log.info("staged adapter_id=%s bytes=%d files=%d in %.2fs (%.1f MiB/s)", adapter_id,
@@ -310,28 +236,50 @@ class Stager:
             error = _disk_error(adapter_id, exc)
             _log_failure(adapter_id, error, time.perf_counter() - started)
             raise error from exc
-        finally:
-            if reservation is not None:
-                self._store.unreserve(reservation)
-            if staging is not None:
-                await asyncio.to_thread(remove_tree, staging)
 
     async def _settled(self, adapter_id: str, listing: Listing) -> Listing:
         """The listing once its newest file has been quiet for --upload-settle: files of one
-        upload landing a moment apart are fetched together, never half old and half new."""
+        upload landing a moment apart are fetched together, never half old and half new.
+
+        A file stamped later than the registry's own clock says (a gateway or replica whose
+        clock runs ahead) tells nothing of when it landed: the listing is settled once it
+        stays the same for one settle period."""
+        if self._upload_settle_s <= 0:
+            return listing
         for _ in range(SETTLE_LISTINGS_MAX):
             quiet_s = listing.quiet_s()
             # S3 gives times to the second: an age of exactly the settle time may be less.
-            if quiet_s is None or quiet_s > self._upload_settle_s or self._upload_settle_s <= 0:
+            if quiet_s is None or quiet_s > self._upload_settle_s:
                 return listing
-            wait_s = self._upload_settle_s - max(quiet_s, 0.0) + SETTLE_STEP_S
+            if quiet_s < 0:
+                self._note_skew(adapter_id, listing, -quiet_s)
+                before = listing.upload
+                await asyncio.sleep(self._upload_settle_s)  # the period it must stay the same
+                listing = await self._list(adapter_id)
+                if listing.upload == before:
+                    return listing
+                continue
+            wait_s = self._upload_settle_s - quiet_s + SETTLE_STEP_S
             log.info("adapter_id=%s: a file landed in the registry %.1fs ago; staging once the "
-                     "upload has been quiet for %gs", adapter_id, max(quiet_s, 0.0),
+                     "upload has been quiet for %gs", adapter_id, quiet_s,
                      self._upload_settle_s, extra=fields(event="upload_settling",
                                                          adapter_id=adapter_id))
             await asyncio.sleep(min(wait_s, self._upload_settle_s + 1.0))
             listing = await self._list(adapter_id)
         return listing
+
+    def _note_skew(self, adapter_id: str, listing: Listing, ahead_s: float) -> None:
+        """Say once (then at DEBUG) that the registry stamps objects ahead of its own clock."""
+        newest = max(f.modified for f in listing.files if f.modified is not None)
+        level = logging.DEBUG if self._skew_logged else logging.WARNING
+        self._skew_logged = True
+        log.log(level, "registry clock skew: adapter_id=%s has a file stamped %s, %.1fs after "
+                "the registry's own time %s; upload times cannot tell whether it is still "
+                "landing, so it is staged once its listing stays the same for %gs "
+                "(--upload-settle)", adapter_id, iso_utc(newest), ahead_s,
+                iso_utc(listing.listed_at or 0.0), self._upload_settle_s,
+                extra=fields(event="registry_clock_skew", adapter_id=adapter_id,
+                             ahead_s=round(ahead_s, 3)))
 
     async def _list(self, adapter_id: str) -> Listing:
         try:
@@ -339,12 +287,12 @@ class Stager:
         except SidecarError as exc:
             self._on_registry_result(exc)
             if isinstance(exc, AdapterNotFound):
-                self._remember_not_found(exc)
+                self._refusals.not_found(exc)
             raise
         self._on_registry_result(None)
         # The whole upload as listed: a remembered refusal holds for exactly it.
         listing = dataclasses.replace(listing, upload=listing.signature())
-        self._recall(adapter_id, listing)
+        self._refusals.recall(adapter_id, listing.upload)
         plan = plan_files([(f.name, EntryKind.FILE) for f in listing.files]
                           + [(entry.path, entry.kind) for entry in listing.others])
         if plan.problems:
@@ -359,33 +307,61 @@ class Stager:
         return dataclasses.replace(listing, files=[f for f in listing.files if f.name in fetched],
                                    others=[])
 
-    async def _check_signature(self, adapter_id: str, listing: Listing,
-                               staging: Path) -> tuple[SignatureVerdict, _Fetched]:
-        """Under a signing policy, fetch model.sig first and verify it (the signer, and the
-        files its statement lists against the listing) before any weights are downloaded; a
-        refusal costs one small GET. Returns the verdict and what was fetched."""
+    def _judge_listed_sizes(self, adapter_id: str, listing: Listing) -> None:
+        """Refuse, from the listing alone, a config or (when a signature is checked) a
+        model.sig larger than the most ever read of it: neither is fetched."""
+        checked = self._rules.signing.rule_for(adapter_id).mode is not SignatureMode.OFF
+        problems = listed_size_problems({f.name: f.size_bytes for f in listing.files},
+                                        signature_checked=checked)
+        if problems:
+            if any(p.code in SIGNATURE_CODES for p in problems):
+                self._metrics.signature_verifications.labels(outcome="refused").inc()
+            raise self._refuse(adapter_id, problems, listing)
+
+    async def _judge_first(self, adapter_id: str, listing: Listing,
+                           staging: Path) -> tuple[SignatureVerdict, _Fetched]:
+        """Judge what needs no weights, before any room is made: the signature under the
+        signing policy (the signer, and the files its statement lists against the listing)
+        and the adapter config, both fetched first (a few KiB). Returns the verdict and what
+        was fetched."""
         rule = self._rules.signing.rule_for(adapter_id)
-        signature = next((f for f in listing.files if f.name == SIGNATURE_FILE), None)
-        got: _Fetched = {}
-        if rule.mode is not SignatureMode.OFF and signature is not None:
-            for attempt in range(1, FETCH_ATTEMPTS + 1):
-                got = await self._fetch_all(adapter_id, [signature], staging)
-                faults = _checksum_problems(SIGNATURE_FILE, got[SIGNATURE_FILE][0])
-                if not faults:
-                    break
-                await asyncio.to_thread(_unlink_all, [staging / SIGNATURE_FILE])
-                if attempt == FETCH_ATTEMPTS:
-                    raise RegistryTransient(
-                        f"{SIGNATURE_FILE} of adapter {adapter_id} did not arrive intact in "
-                        f"{FETCH_ATTEMPTS} downloads: {faults[0].message}. Nothing is "
-                        "remembered: ask again", adapter_id=adapter_id, cause=faults[0].code)
-        verdict = await asyncio.to_thread(
-            check_signature, rule, adapter_id, staging / SIGNATURE_FILE if got else None,
-            published_names([f.name for f in listing.files]))
-        if verdict.problems:
-            self._count_signature(verdict, list(verdict.problems))
-            raise self._refuse(adapter_id, list(verdict.problems), listing)
+        checked = rule.mode is not SignatureMode.OFF
+        first = [f for f in listing.files
+                 if f.name == CONFIG_FILE or (checked and f.name == SIGNATURE_FILE)]
+        async with self._judging_first:
+            got = await self._fetch_intact(adapter_id, first, staging)
+            verdict = await asyncio.to_thread(
+                check_signature, rule, adapter_id,
+                staging / SIGNATURE_FILE if SIGNATURE_FILE in got else None,
+                published_names([f.name for f in listing.files]))
+            if verdict.problems:
+                self._count_signature(verdict, list(verdict.problems))
+                raise self._refuse(adapter_id, list(verdict.problems), listing)
+            if CONFIG_FILE in got:
+                problems = await asyncio.to_thread(judge_config, staging, self._rules)
+                if problems:
+                    self._count_signature(verdict, problems)
+                    raise self._refuse(adapter_id, problems, listing)
         return verdict, got
+
+    async def _fetch_intact(self, adapter_id: str, files: list[RemoteFile],
+                            staging: Path) -> _Fetched:
+        """Small files fetched until their bytes match the registry's own checksums
+        (FETCH_ATTEMPTS downloads in all, then RegistryTransient, which nothing remembers)."""
+        got: _Fetched = {}
+        for attempt in range(1, FETCH_ATTEMPTS + 1):
+            got = await self._fetch_all(adapter_id, files, staging)
+            faults = [p for name, (fetched, _) in got.items()
+                      for p in _checksum_problems(name, fetched)]
+            if not faults:
+                return got
+            await asyncio.to_thread(_unlink_all, [staging / f.name for f in files])
+            if attempt == FETCH_ATTEMPTS:
+                raise RegistryTransient(
+                    f"{faults[0].file} of adapter {adapter_id} did not arrive intact in "
+                    f"{FETCH_ATTEMPTS} downloads: {faults[0].message}. Nothing is "
+                    "remembered: ask again", adapter_id=adapter_id, cause=faults[0].code)
+        return got
 
     def _count_signature(self, verdict: SignatureVerdict, problems: list[Problem]) -> None:
         """Count the signature's verdict (the adapter may be refused for other reasons)."""

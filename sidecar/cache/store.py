@@ -10,13 +10,15 @@ the folders it evicts are deleted by the store alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
 import shutil
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import Enum
 from pathlib import Path
@@ -49,10 +51,42 @@ class Eviction:
     broken_leases: list[str]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Reservation:
     adapter_id: str
     size_bytes: int
+
+
+@dataclass(slots=True, eq=False)
+class Staging:
+    """A download's folder under `.staging/`, and the room it holds once `reserve()` is done.
+    Handed out by `AdapterStore.staging()`, which gives both back on exit."""
+
+    adapter_id: str
+    path: Path
+    _store: AdapterStore
+    reservation: Reservation | None = None
+    waited_s: float = 0.0  # how long reserve() waited for room held by others
+
+    async def reserve(self, size_bytes: int, *, wait_s: float) -> None:
+        """Hold room for the whole adapter (evicting what nothing protects), waiting up to
+        `wait_s`, first come first served, for room that leases, claims or other downloads
+        hold; then every evicted folder is deleted before this returns. CacheFull when it
+        cannot fit, or still does not after waiting."""
+        if self.reservation is not None:
+            raise RuntimeError(f"room for {self.adapter_id} is reserved already")
+        started = time.monotonic()
+        self.reservation = await self._store._reserve_in_turn(self.adapter_id, size_bytes,
+                                                               wait_s)
+        self.waited_s = time.monotonic() - started
+        # Room made by evicting is on disk only once the evicted folders are deleted.
+        await self._store.settle_trash()
+
+
+@dataclass(slots=True, eq=False)
+class _RoomWaiter:
+    adapter_id: str
+    woken: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +159,10 @@ class AdapterStore:
         self._leases = LeaseTable(lease_ttl_s, max_leases, metrics, clock, monotonic)
         self._claims: dict[str, int] = {}  # callers waiting to lease an adapter being staged
         self._reservations: list[Reservation] = []
-        self.pins = Pins(pinned, max_adapters=max_adapters, on_disk=self._index.__contains__)
+        self._pins = Pins(pinned, max_adapters=max_adapters, on_disk=self._index.__contains__)
+        # Downloads waiting for room that leases, claims or other downloads hold, in arrival
+        # order: only the first tries again when room may have freed.
+        self._room_waiters: deque[_RoomWaiter] = deque()
         self._trash_pending: list[Path] = []
         self._listener = listener or StoreListener()
         self._deleting: set[asyncio.Future[None]] = set()  # evicted folders being deleted
@@ -221,7 +258,7 @@ class AdapterStore:
         return self.adapters_dir / adapter_id
 
     def is_pinned(self, adapter_id: str) -> bool:
-        return adapter_id in self.pins
+        return adapter_id in self._pins
 
     def snapshot(self) -> CacheSnapshot:
         return CacheSnapshot(
@@ -229,7 +266,7 @@ class AdapterStore:
             cache_adapters=len(self._index),
             capacity_bytes=self.max_bytes,
             capacity_adapters=self.max_adapters,
-            pinned_adapters=self.pins.on_disk(),
+            pinned_adapters=self._pins.on_disk(),
             active_leases=len(self._leases),
         )
 
@@ -296,45 +333,141 @@ class AdapterStore:
         """Where grants and releases are written; None until the recovery installs it."""
         return self._leases.lease_journal
 
-    # ---- claims: a caller that will lease an adapter once its stage finishes ------------
+    # ---- claims: a caller that will lease (or name) an adapter once its stage finishes ----
 
-    def claim(self, adapter_id: str) -> None:
+    @contextlib.contextmanager
+    def claim(self, adapter_id: str) -> Iterator[None]:
+        """Keep `adapter_id` from being evicted to make room while the block runs (it may not
+        be cached yet): between its publication and the lease or name its caller takes."""
         self._claims[adapter_id] = self._claims.get(adapter_id, 0) + 1
-
-    def unclaim(self, adapter_id: str) -> None:
-        left = self._claims.get(adapter_id, 0) - 1
-        if left > 0:
-            self._claims[adapter_id] = left
-        else:
-            self._claims.pop(adapter_id, None)
-            self._restore_budget()
+        try:
+            yield
+        finally:
+            left = self._claims.get(adapter_id, 0) - 1
+            if left > 0:
+                self._claims[adapter_id] = left
+            else:
+                self._claims.pop(adapter_id, None)
+                self._restore_budget()
 
     def is_protected(self, adapter_id: str) -> bool:
         """Never evicted to make room: pinned, leased, or about to be leased."""
         return (
-            adapter_id in self.pins
+            adapter_id in self._pins
             or self._leases.holds(adapter_id)
             or adapter_id in self._claims
         )
 
     # ---- pins --------------------------------------------------------------------------
 
+    def check_pin_room(self, adapter_id: str) -> None:
+        """CacheFull, before anything is downloaded, when a new pin would fill the adapter
+        budget with pinned adapters (see Pins.check_room)."""
+        self._pins.check_room(adapter_id)
+
     def pin(self, adapter_id: str) -> None:
-        self.pins.add(adapter_id)
+        self._pins.add(adapter_id)
 
     def unpin(self, adapter_id: str) -> bool:
         """Unpin (see Pins.remove) and trim what the pin kept over the budget."""
-        was_pinned = self.pins.remove(adapter_id)
+        was_pinned = self._pins.remove(adapter_id)
         self._restore_budget()
         return was_pinned
 
+    def pin_problems(self) -> list[str]:
+        """Why the sidecar is not ready on account of its pins (see Pins.problems)."""
+        return self._pins.problems()
+
+    async def keep_pins_staged(self, stage: Callable[[str], Awaitable[object]], *,
+                               retry_refused_s: float) -> None:
+        """Stage the pins given at start until each is in or unpinned (see Pins.keep_staged)."""
+        await self._pins.keep_staged(stage, retry_refused_s=retry_refused_s)
+
     # ---- budget ------------------------------------------------------------------------
 
-    def reserve(self, adapter_id: str, size_bytes: int) -> Reservation:
-        """Hold room for a download, or raise CacheFull saying why it cannot fit.
+    @contextlib.asynccontextmanager
+    async def staging(self, adapter_id: str) -> AsyncIterator[Staging]:
+        """A fresh folder under `.staging/` for a download of `adapter_id`; no room is held
+        until `Staging.reserve()`. On exit the room is given back and the folder deleted,
+        unless `admit()` renamed it into `adapters/` meanwhile."""
+        path = await asyncio.to_thread(self._new_staging_dir, adapter_id)
+        staging = Staging(adapter_id, path, self)
+        try:
+            yield staging
+        finally:
+            if staging.reservation is not None:
+                self._unreserve(staging.reservation)
+            await asyncio.to_thread(remove_tree, path)  # gone already once admitted
+
+    def fits_budget(self, adapter_id: str, size_bytes: int) -> None:
+        """CacheFull (not retryable) when an adapter of `size_bytes` could never fit the
+        budget, whatever is evicted or released: judged from a listing, before any room is
+        made."""
+        if size_bytes > self.max_bytes:
+            raise CacheFull(
+                f"adapter {adapter_id} needs {format_size(size_bytes)}, more than all "
+                f"of the {format_size(self.max_bytes)} budget (--max-bytes); nothing was evicted",
+                adapter_id=adapter_id, retryable=False)
+
+    @property
+    def waiting_for_room(self) -> int:
+        """Downloads waiting for room that leases, claims or other downloads hold."""
+        return len(self._room_waiters)
+
+    async def _reserve_in_turn(self, adapter_id: str, size_bytes: int,
+                               wait_s: float) -> Reservation:
+        """reserve(), waiting in arrival order while the room is held by what will end
+        (leases, claims, downloads in progress); at once when nobody waits before us."""
+        if not self._room_waiters:
+            try:
+                return self._reserve(adapter_id, size_bytes)
+            except CacheFull as exc:
+                if not exc.retryable or wait_s <= 0:
+                    raise
+                refused = exc
+        else:
+            refused = None
+        waiter = _RoomWaiter(adapter_id)
+        self._room_waiters.append(waiter)
+        log.info("adapter_id=%s waits for room (%d download(s) waiting)", adapter_id,
+                 len(self._room_waiters), extra=fields(event="room_wait", adapter_id=adapter_id,
+                                                       waiting=len(self._room_waiters)))
+        try:
+            async with asyncio.timeout(wait_s):
+                while True:
+                    if self._room_waiters[0] is waiter:
+                        try:
+                            return self._reserve(adapter_id, size_bytes)
+                        except CacheFull as exc:
+                            if not exc.retryable:
+                                raise
+                            refused = exc
+                    waiter.woken.clear()
+                    await waiter.woken.wait()
+        except TimeoutError:
+            if refused is None:
+                refused = CacheFull(
+                    f"adapter {adapter_id} waited {wait_s:.1f}s for room behind "
+                    f"{len(self._room_waiters) - 1} other download(s)",
+                    adapter_id=adapter_id, retryable=True)
+            raise CacheFull(f"{refused.message} (waited {wait_s:.1f}s for it to free)",
+                            adapter_id=adapter_id, retryable=True) from None
+        finally:
+            self._room_waiters.remove(waiter)
+            self._wake_first()
+
+    def _wake_first(self) -> None:
+        """Room may have freed: the first download waiting for it looks again."""
+        if self._room_waiters:
+            self._room_waiters[0].woken.set()
+
+    def _reserve(self, adapter_id: str, size_bytes: int) -> Reservation:
+        """Hold room for a download, evicting what nothing protects, or raise CacheFull
+        saying why it cannot fit (`retryable` when leases, claims or other downloads hold
+        the room: they end).
 
         Room is counted against the budget minus what can never be evicted (pinned or
-        leased adapters) and minus other downloads in progress; nothing is evicted here.
+        leased adapters) and minus other downloads in progress.
         """
         held = [a for a in self._index.values() if self.is_protected(a.adapter_id)]
         held_bytes = sum(a.size_bytes for a in held)
@@ -342,7 +475,7 @@ class AdapterStore:
         reserved_bytes = sum(r.size_bytes for r in others)
         room_bytes = self.max_bytes - held_bytes - reserved_bytes
         # Leases end and downloads finish; pins stay until an operator removes them.
-        pinned = [a for a in self._index.values() if a.adapter_id in self.pins]
+        pinned = [a for a in self._index.values() if a.adapter_id in self._pins]
         pinned_bytes = sum(a.size_bytes for a in pinned)
         if size_bytes > room_bytes:
             raise CacheFull(
@@ -367,9 +500,10 @@ class AdapterStore:
         self._reservations.append(reservation)
         return reservation
 
-    def unreserve(self, reservation: Reservation) -> None:
+    def _unreserve(self, reservation: Reservation) -> None:
         if reservation in self._reservations:
             self._reservations.remove(reservation)
+        self._wake_first()
 
     def _make_budget_room(self, incoming_bytes: int, incoming_adapters: int) -> None:
         """Evict LRU adapters until the downloads about to land fit the budget beside what
@@ -423,11 +557,12 @@ class AdapterStore:
             evicted.append(self._evict_now(victim.adapter_id, EvictReason.LRU))
         if evicted:
             self._purge_soon()
+        self._wake_first()  # every change that can free room comes through here
         return evicted
 
     # ---- publish and evict -------------------------------------------------------------
 
-    def new_staging_dir(self, adapter_id: str) -> Path:
+    def _new_staging_dir(self, adapter_id: str) -> Path:
         path = self.staging_dir / f"{adapter_id}.{secrets.token_hex(6)}"
         path.mkdir(mode=0o755)
         return path
@@ -458,7 +593,7 @@ class AdapterStore:
         if adapter_id not in self._index:
             raise NotCached(f"adapter {adapter_id} is not in the cache", adapter_id=adapter_id)
         leases = self._leases.ids_of(adapter_id)
-        pinned = adapter_id in self.pins
+        pinned = adapter_id in self._pins
         if (leases or pinned or adapter_id in self._claims) and not force:
             why = []
             if pinned:
@@ -478,6 +613,7 @@ class AdapterStore:
         reason = EvictReason.FORCED if (leases or pinned) else EvictReason.MANUAL
         eviction = self._evict_now(adapter_id, reason)
         self._purge_soon()
+        self._wake_first()
         return Eviction(adapter_id, eviction.freed_bytes, reason, leases)
 
     def forget(self, adapter_id: str, *, changed: bool = False) -> CachedAdapter | None:
@@ -490,6 +626,7 @@ class AdapterStore:
             self._leases.end(lease_id)
         self._count_eviction(adapter, EvictReason.EXTERNAL)
         self._listener.vanished(adapter_id, changed)
+        self._wake_first()
         return adapter
 
     def _evict_now(self, adapter_id: str, reason: EvictReason) -> Eviction:

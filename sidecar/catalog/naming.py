@@ -5,6 +5,7 @@ kept for it (catalog.py). Also the cache as the catalog sees it (`StoreView`: ve
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -96,13 +97,17 @@ class Naming:
         so an unknown or invalid adapter says so first and a name is given only to an adapter
         validated and published; when no name can be given yet (CatalogPending,
         CatalogReloading) the lease is released before the error is raised."""
-        staged = await self._stager.stage(adapter_id, timeout_s=timeout_s, lease=lease)
-        try:
-            return Named(staged, await self.lora_name(staged.adapter))
-        except SidecarError:
-            if staged.lease is not None:
-                self._store.release(staged.lease.lease_id)
-            raise
+        # Kept from eviction until it has its name: by its lease, or (a warm-up, unleased) by
+        # a claim held from before the stage to after the naming, so an adapter that was
+        # staged is always answered with a name.
+        with contextlib.nullcontext() if lease else self._store.claim(adapter_id):
+            staged = await self._stager.stage(adapter_id, timeout_s=timeout_s, lease=lease)
+            try:
+                return Named(staged, await self.lora_name(staged.adapter))
+            except SidecarError:
+                if staged.lease is not None:
+                    self._store.release(staged.lease.lease_id)
+                raise
 
     async def lora_name(self, adapter: CachedAdapter) -> str:
         """The name to send vLLM for a staged adapter. CatalogPending or CatalogReloading

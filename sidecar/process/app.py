@@ -20,7 +20,8 @@ from prometheus_client import CollectorRegistry
 from ..cache.lease_sweep import sweep_leases
 from ..cache.ownership import CacheLock
 from ..cache.recovery import recover
-from ..cache.stager import RELIST_REFUSED_S, Stager
+from ..cache.refusals import RELIST_REFUSED_S
+from ..cache.stager import Stager
 from ..cache.store import AdapterStore
 from ..cache.watcher import Watcher
 from ..catalog.catalog import Catalog
@@ -250,7 +251,7 @@ class Sidecar:
             problems.insert(0, "recovering: reading the cache" if progress is None else
                             f"recovering: {progress[0]} of {progress[1]} adapter folders "
                             "checked")
-        problems.extend(self.store.pins.problems())
+        problems.extend(self.store.pin_problems())
         catalog_problem = self.reloads.problem()
         if catalog_problem is not None:
             problems.append(catalog_problem)
@@ -286,7 +287,7 @@ class Sidecar:
         self._spawn(sweep_leases(self.store), "leases")
         stage_pinned = functools.partial(self.stager.stage, timeout_s=self.settings.stage_timeout_s,
                                          lease=False)
-        self._spawn(self.store.pins.keep_staged(stage_pinned, retry_refused_s=RELIST_REFUSED_S),
+        self._spawn(self.store.keep_pins_staged(stage_pinned, retry_refused_s=RELIST_REFUSED_S),
                     "pins")
 
     async def _recover(self) -> None:

@@ -33,6 +33,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 CHECKSUMS_FILE = "SHA256SUMS"
 SIGNATURE_FILE = "model.sig"  # model_signing's default name, inside the adapter folder
+SIGNATURE_MAX_BYTES = 1024 * 1024  # a model.sig larger is refused from its listed size
 FETCHED_FILES = (CONFIG_FILE, WEIGHTS_FILE, CHECKSUMS_FILE, SIGNATURE_FILE)
 # What vLLM loads with torch.load when adapter_model.safetensors is missing; torch.load runs
 # pickles, and `weights_only=True` has been bypassed (CVE-2025-32434).

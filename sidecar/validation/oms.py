@@ -21,12 +21,11 @@ from model_signing._signing import sign_certificate, sign_ec_key, sign_sigstore_
 from model_signing._signing import signing as oms
 from OpenSSL import crypto
 
-from .files import SIGNATURE_FILE, plan_folder
+from .files import SIGNATURE_FILE, SIGNATURE_MAX_BYTES, plan_folder
 from .problem import Problem
 from .safetensors_check import shown
 from .signing_policy import CertificateSigner, KeySigner, Rule, describe_signer
 
-SIGNATURE_MAX_BYTES = 1024 * 1024
 # model_signing names a statement of its pre-1.0 format so (it carries no name of its own).
 _COMPAT_NAME = "compat-undefined-not-present"
 

@@ -23,6 +23,8 @@ from .adapter_config import LoraConfig, check_adapter_config
 from .files import (
     CHECKSUMS_FILE,
     CONFIG_FILE,
+    SIGNATURE_FILE,
+    SIGNATURE_MAX_BYTES,
     WEIGHTS_FILE,
     FileRole,
     classify,
@@ -153,6 +155,30 @@ def judge_adapter(
         except OSError as exc:
             problems.append(_read_error(CHECKSUMS_FILE, exc))
     return Verdict(_bounded(problems), ignored)
+
+
+def listed_size_problems(sizes: Mapping[str, int], *, signature_checked: bool) -> list[Problem]:
+    """What the listed sizes alone refuse, before a byte is fetched: a config or (when a
+    signature will be checked) a model.sig larger than the most ever read of it."""
+    problems = []
+    if sizes.get(CONFIG_FILE, 0) > CONFIG_MAX_BYTES:
+        problems.append(Problem("config_too_large", CONFIG_FILE,
+                                f"listed at {sizes[CONFIG_FILE]} bytes, larger than "
+                                f"{CONFIG_MAX_BYTES} bytes; nothing was downloaded"))
+    if signature_checked and sizes.get(SIGNATURE_FILE, 0) > SIGNATURE_MAX_BYTES:
+        problems.append(Problem("signature_malformed", SIGNATURE_FILE,
+                                f"listed at {sizes[SIGNATURE_FILE]} bytes, larger than "
+                                f"{SIGNATURE_MAX_BYTES} bytes; nothing was downloaded"))
+    return problems
+
+
+def judge_config(folder: Path, rules: Rules) -> list[Problem]:
+    """The problems of `folder`'s adapter_config.json alone: judged before the weights are
+    downloaded, so an adapter its config refuses costs no room."""
+    try:
+        return _check_config(folder, rules)[0]
+    except OSError as exc:
+        return [_read_error(CONFIG_FILE, exc)]
 
 
 def _read_error(file: str, exc: OSError) -> Problem:

@@ -3,6 +3,7 @@ operator eviction."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -59,7 +60,7 @@ async def test_byte_budget_evicts_until_it_fits(
     assert sidecar.store.total_bytes <= 2 * size + size // 2
 
 
-async def test_leased_adapter_is_not_evicted_and_a_stage_that_cannot_fit_is_507(
+async def test_leased_adapter_is_not_evicted_and_a_stage_with_no_time_to_wait_is_507(
     tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
 ) -> None:
     for i, adapter_id in enumerate(("a", "b")):
@@ -67,7 +68,9 @@ async def test_leased_adapter_is_not_evicted_and_a_stage_that_cannot_fit_is_507(
     sidecar = await start_sidecar(make_settings(tmp_path, max_adapters=1))
 
     leased = await stage_ok(http, sidecar, "a")
-    status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "b"})
+    # A deadline of a second leaves no time to wait for the lease to end.
+    status, body = await call(http, "POST", f"{sidecar.url}/stage",
+                              {"adapter_id": "b", "timeout_s": 1})
     assert status == 507
     assert body["error"] == "cache_full"
     assert body["retryable"] is True  # the lease will end
@@ -77,6 +80,27 @@ async def test_leased_adapter_is_not_evicted_and_a_stage_that_cannot_fit_is_507(
     await release(http, sidecar, leased["lease_id"])
     await stage_ok(http, sidecar, "b")
     assert cached_ids(tmp_path) == {"b"}
+
+
+async def test_a_stage_waits_for_room_a_lease_holds_and_is_staged_once_it_is_released(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    for i, adapter_id in enumerate(("a", "b")):
+        local_registry_adapter(tmp_path, adapter_id, seed=i)
+    sidecar = await start_sidecar(make_settings(tmp_path, max_adapters=1))
+    leased = await stage_ok(http, sidecar, "a")
+
+    waiting = asyncio.create_task(call(http, "POST", f"{sidecar.url}/stage",
+                                       {"adapter_id": "b", "timeout_s": 60}))
+    await eventually(lambda: sidecar.store.waiting_for_room == 1, timeout_s=10,
+                     what="the stage of b waiting for room")
+    assert cached_ids(tmp_path) == {"a"}
+    await release(http, sidecar, leased["lease_id"])
+
+    status, body = await waiting
+    assert status == 200, body
+    assert cached_ids(tmp_path) == {"b"}
+    assert sidecar.store.waiting_for_room == 0
 
 
 async def test_release_of_unknown_lease_is_404(
@@ -225,3 +249,46 @@ async def test_readyz_waits_for_a_pin_while_the_registry_cannot_be_asked(
     s3.proxy.fault = None
     await readiness(http, sidecar.url, status=200, timeout_s=30)
     assert cached_ids(tmp_path) == {"later"}
+
+
+async def test_thirty_warm_ups_with_room_for_five_are_all_answered_with_a_name(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    ids = [f"warm-{i:02d}" for i in range(30)]
+    for i, adapter_id in enumerate(ids):
+        local_registry_adapter(tmp_path, adapter_id, seed=i, rank=4)
+    sidecar = await start_sidecar(make_settings(tmp_path, max_adapters=5))
+
+    answers = await asyncio.gather(*(
+        call(http, "POST", f"{sidecar.url}/stage",
+             {"adapter_id": adapter_id, "lease": False, "timeout_s": 120})
+        for adapter_id in ids))
+
+    failed = [(adapter_id, status, body)
+              for adapter_id, (status, body) in zip(ids, answers, strict=True) if status != 200]
+    assert failed == []  # neither catalog_pending (evicted before its name) nor cache_full
+    assert all(body["lora_name"] for _, body in answers)
+    assert len(cached_ids(tmp_path)) == 5
+
+
+async def test_thirty_leased_stages_with_room_for_five_wait_their_turn_and_none_is_507(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    ids = [f"turn-{i:02d}" for i in range(30)]
+    for i, adapter_id in enumerate(ids):
+        local_registry_adapter(tmp_path, adapter_id, seed=i, rank=4)
+    sidecar = await start_sidecar(make_settings(tmp_path, max_adapters=5))
+
+    async def request(adapter_id: str) -> tuple[int, object]:
+        """A client: stage, use the adapter, release the lease."""
+        status, body = await call(http, "POST", f"{sidecar.url}/stage",
+                                  {"adapter_id": adapter_id, "timeout_s": 120})
+        if status == 200:
+            await release(http, sidecar, body["lease_id"])
+        return status, body
+
+    answers = await asyncio.gather(*(request(adapter_id) for adapter_id in ids))
+
+    assert [(i, a) for i, a in zip(ids, answers, strict=True) if a[0] != 200] == []
+    assert sidecar.store.waiting_for_room == 0
+    assert len(cached_ids(tmp_path)) <= 5

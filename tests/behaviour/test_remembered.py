@@ -16,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
-from sidecar.cache.stager import RELIST_REFUSED_S
+from sidecar.cache.refusals import RELIST_REFUSED_S
 from sidecar.process.examples import write_adapter
 from tests.support.api import StartSidecar, call
 from tests.support.processes import SidecarProcess, stage_blocking

@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from sidecar.cache.stager import RELIST_REFUSED_S
+from sidecar.cache.refusals import RELIST_REFUSED_S
 from sidecar.process.app import Sidecar
 from sidecar.process.examples import write_adapter
 from tests.support.api import StartSidecar, call, stage_ok

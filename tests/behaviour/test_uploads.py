@@ -12,12 +12,13 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from sidecar.process.examples import write_adapter
 from tests.support.api import StartSidecar, call
 from tests.support.processes import SidecarProcess
 from tests.support.s3 import S3Registry
-from tests.support.settings import make_settings
+from tests.support.settings import make_settings, s3_settings
 from tests.support.waiting import eventually
 
 WEIGHTS = "adapter_model.safetensors"
@@ -29,6 +30,39 @@ def age(folder: Path, seconds: float) -> None:
     then = time.time() - seconds
     for path in folder.iterdir():
         os.utime(path, (then, then))
+
+
+def listings_of(s3: S3Registry, adapter_id: str) -> int:
+    """The registry's listings of one adapter's folder, as the S3 server saw them."""
+    return sum(1 for seen in s3.proxy.seen
+               if "list-type=2" in seen.query and f"/{adapter_id}/" in seen.query)
+
+
+async def test_a_registry_stamping_objects_ahead_of_its_clock_stages_after_one_settle_period(
+    tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    for seed, adapter_id in enumerate(("skewed-a", "skewed-b")):
+        s3.put_adapter(adapter_id, seed=seed)
+    # The registry's Date runs 120 s behind the times it stamps on objects: every object looks
+    # stored in the future (a gateway with a drifting clock, a replicated object).
+    s3.proxy.date_shift_s = -120.0
+    sidecar = await start_sidecar(s3_settings(tmp_path, s3, upload_settle_s=1.0))
+
+    with caplog.at_level("DEBUG", logger="sidecar.cache.stager"):
+        for adapter_id in ("skewed-a", "skewed-b"):
+            status, body = await call(http, "POST", f"{sidecar.url}/stage",
+                                      {"adapter_id": adapter_id, "lease": False})
+            assert status == 200, body
+            # Listed, and once more a settle period later: the same listing is settled (not
+            # 30 listings waiting for an age that never comes).
+            assert listings_of(s3, adapter_id) == 2
+
+    skew = [r for r in caplog.records if "registry clock skew" in r.getMessage()]
+    assert [r.levelname for r in skew] == ["WARNING", "DEBUG"]  # said once, then quietly
+    assert "skewed-a" in skew[0].getMessage()
+    assert "the registry's own time" in skew[0].getMessage()
+    assert not [r for r in caplog.records if "landed in the registry" in r.getMessage()]
 
 
 async def test_files_of_one_upload_landing_a_moment_apart_are_staged_together(

@@ -10,6 +10,8 @@ import asyncio
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import timedelta
+from email.utils import format_datetime, parsedate_to_datetime
 
 import aiohttp
 from aiohttp import web
@@ -100,6 +102,9 @@ class S3Proxy:
         self.body_faults: list[BodyFault] = []
         self.throttle_bytes_per_s: float | None = None
         self.body_progress: BodyProgress | None = None
+        # Added to the Date of every answer: a registry whose clock runs behind (negative) or
+        # ahead of the times it stamps on objects, as a gateway with a drifting clock answers.
+        self.date_shift_s = 0.0
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -129,6 +134,7 @@ class S3Proxy:
         self.body_faults = []
         self.throttle_bytes_per_s = None
         self.body_progress = None
+        self.date_shift_s = 0.0
         self.release_stalls()
 
     def release_stalls(self) -> None:
@@ -199,6 +205,10 @@ class S3Proxy:
             for key, value in upstream.headers.items():
                 if key.lower() not in HOP_HEADERS:
                     response.headers[key] = value
+            if self.date_shift_s and "Date" in upstream.headers:
+                answered = parsedate_to_datetime(upstream.headers["Date"])
+                response.headers["Date"] = format_datetime(
+                    answered + timedelta(seconds=self.date_shift_s), usegmt=True)
             if upstream.content_length is not None:
                 response.content_length = upstream.content_length
             await response.prepare(request)

@@ -79,14 +79,14 @@ def test_the_store_trims_itself_when_a_release_or_an_unclaim_frees_room(tmp_path
 
     store.install([record("a")])
     lease = store.lease("a")
-    store.claim("b")
-    store.admit(record("b"))  # one adapter over the budget: a is leased, b about to be
-    assert sorted(a.adapter_id for a in store.adapters()) == ["a", "b"]
+    with store.claim("c"), store.claim("b"):
+        store.admit(record("b"))  # one adapter over the budget: a is leased, b about to be
+        assert sorted(a.adapter_id for a in store.adapters()) == ["a", "b"]
 
-    store.release(lease.lease_id)
-    assert [a.adapter_id for a in store.adapters()] == ["b"]
-    store.claim("c")
-    store.admit(record("c"))
-    store.unclaim("b")
+        store.release(lease.lease_id)
+        assert [a.adapter_id for a in store.adapters()] == ["b"]
+        store.admit(record("c"))
+        assert sorted(a.adapter_id for a in store.adapters()) == ["b", "c"]
+        # b's claim ends first (the inner block), c's after: b goes at once, c stays.
     assert [a.adapter_id for a in store.adapters()] == ["c"]
     assert not (tmp_path / "adapters" / "a").exists()  # moved to .trash/, not left behind
