@@ -409,6 +409,35 @@ class AdapterStore:
                 f"of the {format_size(self.max_bytes)} budget (--max-bytes); nothing was evicted",
                 adapter_id=adapter_id, retryable=False)
 
+    def room_bytes(self) -> int:
+        """Bytes a new adapter can have now, evicting what nothing protects: the budget's room
+        or the disk's above --min-free-disk, whichever is smaller (the gauge of room left)."""
+        protected = sum(a.size_bytes for a in self._index.values()
+                        if self.is_protected(a.adapter_id))
+        reserved = sum(r.size_bytes for r in self._reservations)
+        budget_room = self.max_bytes - protected - reserved
+        return max(0, min(budget_room, self.disk_room_bytes()))
+
+    def disk_room_bytes(self) -> int:
+        """Bytes the cache filesystem can take above the floor, evictable adapters counted as
+        free (a statvfs: cheap enough for a scrape)."""
+        evictable = sum(a.size_bytes for a in self._index.values()
+                        if not self.is_protected(a.adapter_id))
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return 0
+        return max(0, free - self.min_free_bytes + evictable)
+
+    def disk_full(self) -> str | None:
+        """Why no new adapter fits on the cache filesystem, whatever is evicted; None when
+        one can."""
+        if self.disk_room_bytes() > 0:
+            return None
+        return (f"the cache filesystem is full: no free space above the "
+                f"{format_size(self.min_free_bytes)} floor (--min-free-disk) and nothing "
+                "evictable; cached adapters still serve, new ones answer 507 until space frees")
+
     @property
     def waiting_for_room(self) -> int:
         """Downloads waiting for room that leases, claims or other downloads hold."""

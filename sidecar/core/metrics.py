@@ -167,7 +167,8 @@ class Metrics:
               cache_capacity_bytes: Callable[[], float],
               cache_capacity_adapters: Callable[[], float],
               pinned_adapters: Callable[[], float], active_leases: Callable[[], float],
-              inflight_downloads: Callable[[], float]) -> None:
+              inflight_downloads: Callable[[], float],
+              cache_room_bytes: Callable[[], float]) -> None:
         """Register the gauges read at scrape time, each from the function given for it."""
         self.metrics_registry.register(ScrapeGauges((
             ("cache_bytes", "Bytes of published adapters on the cache volume.", cache_bytes),
@@ -179,4 +180,7 @@ class Metrics:
             ("active_leases", "Leases handed out and not yet released or expired.",
              active_leases),
             ("inflight_downloads", "Adapters being downloaded now.", inflight_downloads),
+            ("cache_room_bytes", "Bytes a new adapter can have now, evicting what nothing "
+             "protects: the budget's room or the disk's above --min-free-disk, the smaller.",
+             cache_room_bytes),
         )))

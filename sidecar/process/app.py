@@ -33,6 +33,7 @@ from ..core.exits import EXIT_CACHE_OWNED, EXIT_FAILED, EXIT_OK
 from ..core.logs import configure_logging, fields
 from ..core.metrics import Metrics
 from ..core.net import is_loopback
+from ..core.units import format_size
 from ..registry.base import AdapterRegistry
 from ..registry.kinds import open_registry
 from ..registry.listing import RegistryListing
@@ -81,6 +82,7 @@ class Sidecar:
         self.settings = settings
         self.metrics = Metrics(metrics_registry)
         self.health = Health()
+        self._disk_full: str | None = None  # why no new adapter fits the cache volume
         self.rules = Rules.from_settings(settings)
         # The catalog first: the store tells it of every folder that leaves adapters/.
         self.catalog = Catalog(settings.cache_root, settings.triton_root, self.rules,
@@ -127,6 +129,7 @@ class Sidecar:
             pinned_adapters=lambda: store.snapshot().pinned_adapters,
             active_leases=lambda: store.live_lease_count,
             inflight_downloads=lambda: len(stager.inflight),
+            cache_room_bytes=store.room_bytes,
         )
         self.registry_listing = RegistryListing(
             self.registry, settings.catalog_refresh_s,
@@ -316,6 +319,7 @@ class Sidecar:
             try:
                 problem = await asyncio.to_thread(_check_writable, self.store.root)
                 self.health.set("cache", problem)
+                self._note_disk_full(self.store.disk_full())
                 interval = (HEALTH_INTERVAL_S if self.health.failing("registry")
                             else REGISTRY_PROBE_OK_S)
                 if time.monotonic() - last_probe >= interval:
@@ -328,6 +332,22 @@ class Sidecar:
             except Exception:
                 log.exception("health check failed")
             await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    def notices(self) -> list[str]:
+        """What /readyz says beside its verdict: conditions that do not make the sidecar
+        unready (hits still serve) but that an operator should see."""
+        return [] if self._disk_full is None else [self._disk_full]
+
+    def _note_disk_full(self, full: str | None) -> None:
+        """Say once when the cache filesystem leaves no room for a new adapter, and once when
+        it has room again."""
+        was_full, self._disk_full = self._disk_full is not None, full
+        if full is not None and not was_full:
+            log.warning("cache volume full: %s", full, extra=fields(event="disk_full"))
+        elif full is None and was_full:
+            log.warning("cache volume has room again: %s can be staged into",
+                        format_size(self.store.disk_room_bytes()),
+                        extra=fields(event="disk_room_again"))
 
     def _note_registry_result(self, error: SidecarError | None) -> None:
         """A call to the registry succeeded (None) or failed: readiness says the registry is

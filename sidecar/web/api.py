@@ -93,6 +93,8 @@ def status_of(error: SidecarError) -> int:
 class Readiness(Protocol):
     def problems(self) -> list[str]: ...
 
+    def notices(self) -> list[str]: ...
+
 
 class RegistryListingView(Protocol):
     def status(self) -> dict[str, Any]: ...
@@ -400,12 +402,14 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    problems = _services(request).readiness.problems()
+    readiness = _services(request).readiness
+    problems, notices = readiness.problems(), readiness.notices()
     if problems:
         body = NotReady("; ".join(problems)).to_json()
-        body.update(ready=False, problems=problems)
+        body.update(ready=False, problems=problems, notices=notices)
         return web.json_response(body, status=status_of(NotReady("")))
-    return web.json_response({"ready": True})
+    # A full cache volume is named here but keeps the node ready: hits still serve.
+    return web.json_response({"ready": True, "notices": notices})
 
 
 async def metrics(request: web.Request) -> web.StreamResponse:

@@ -26,6 +26,7 @@ from tests.support.cache_checks import check_cache, folder_bytes
 from tests.support.s3 import S3Registry
 from tests.support.s3proxy import Seen, drop_connection, is_object_get
 from tests.support.settings import s3_settings
+from tests.support.waiting import eventually
 
 # Adapters sized against the small filesystems below.
 SHAPES = ModelShapes(hidden_size=512, intermediate_size=1376, num_attention_heads=8,
@@ -181,6 +182,51 @@ async def test_room_made_by_evicting_is_free_on_disk_before_the_download(
 
     assert status == 200, body
     assert assert_consistent(settings, sources) == {"m1", "m2", "big"}
+
+
+def room_gauge(sidecar: Sidecar) -> float | None:
+    return sidecar.metrics.metrics_registry.get_sample_value("lora_sidecar_cache_room_bytes")
+
+
+@pytest.mark.usefixtures("fast_health")
+async def test_a_full_volume_shows_in_the_room_gauge_and_readyz_and_is_said_once_each_way(
+    tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
+    small_fs: MountFs, caplog: pytest.LogCaptureFixture,
+) -> None:
+    volume = small_fs(1024**2)
+    s3.put_adapter("small", seed=1)
+    settings = s3_settings(tmp_path, s3, cache_root=volume / "cache", min_free_bytes=128 * 1024)
+    sidecar = await start_sidecar(settings)
+    status, leased = await stage(http, sidecar, "small")  # leased: nothing can be evicted
+    assert status == 200, leased
+    assert (room_gauge(sidecar) or 0) > 0
+
+    with caplog.at_level("WARNING", logger="sidecar.process.app"):
+        filler = await asyncio.to_thread(fill, volume)
+
+        async def named() -> Any:
+            _, body = await call(http, "GET", f"{sidecar.url}/readyz")
+            return body if body.get("notices") else None
+
+        body = await eventually(named, timeout_s=10, what="/readyz naming the full volume")
+        # Full, but ready: the cached adapter still serves.
+        assert body["ready"] is True
+        assert "cache filesystem is full" in body["notices"][0]
+        assert room_gauge(sidecar) == 0
+        status, hit = await stage(http, sidecar, "small")
+        assert status == 200 and hit["cached"] is True
+
+        filler.unlink()
+
+        async def cleared() -> Any:
+            status, body = await call(http, "GET", f"{sidecar.url}/readyz")
+            return status == 200 and body["notices"] == []
+
+        await eventually(cleared, timeout_s=10, what="/readyz without the notice")
+    assert (room_gauge(sidecar) or 0) > 0
+    said = [r.getMessage() for r in caplog.records if "cache volume" in r.getMessage()]
+    assert len(said) == 2, said
+    assert said[0].startswith("cache volume full") and "room again" in said[1]
 
 
 # ---- read-only volume -----------------------------------------------------------------------
