@@ -34,7 +34,8 @@ SERVE_SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "compaction_window", "triton_url",
         "triton_model", "triton_reload", "triton_probe_timeout_s",
         "triton_reload_min_interval_s", "seed_model_repository")),
-    ("the HTTP API", ("host", "port", "api_token", "api_token_file", "max_request_bytes")),
+    ("the HTTP API", ("host", "port", "api_token", "api_token_file", "tenants_file",
+                      "max_request_bytes")),
     ("metrics and logs", (
         "metrics_host", "metrics_port", "epp_metrics", "epp_adapter_prefix",
         "epp_label_max_bytes", "log_level", "log_format")),

@@ -252,6 +252,11 @@ class Settings(ValidationOptions, RegistryOptions):
         secret=True)
     api_token_file: Path | None = option(
         "--api-token-file", parse_optional_path, "", "file holding the bearer token", "FILE")
+    tenants_file: Path | None = option(
+        "--tenants", parse_optional_path, "",
+        "TOML file of tokens per adapter-id prefix (a tenant's token stages, pins, unpins and "
+        "evicts only its own ids), the router's token, and whether /stage needs a token; "
+        "off without it (see the README's security section)", "FILE")
     max_request_bytes: int = option(
         "--max-request-bytes", at_least(parse_size, 1024, "at least 1KiB"), "64KiB",
         "largest request body the API accepts", "SIZE")

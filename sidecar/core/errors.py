@@ -58,6 +58,13 @@ class Unauthorized(SidecarError):
     code = "unauthorized"
 
 
+class Forbidden(SidecarError):
+    """A known token asked for what it may not do: a tenant's for another tenant's id, the
+    router's for anything but a stage."""
+
+    code = "forbidden"
+
+
 class AdapterNotFound(SidecarError):
     """The registry has no adapter under this id."""
 

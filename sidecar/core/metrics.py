@@ -92,6 +92,10 @@ class Metrics:
             "lora_sidecar_quarantined", "Folders moved aside because they were not valid.",
             registry=r,
         )
+        self.tenant_refusals = Counter(
+            "lora_sidecar_tenant_refusals",
+            "Requests refused 403 under --tenants: a token for an id outside its prefix, or "
+            "the router's token for anything but a stage.", ["route"], registry=r)
         self.registry_skipped_folders = Gauge(
             "lora_sidecar_registry_skipped_folders",
             "Folders in the registry's last listing that were left out: names that are not "

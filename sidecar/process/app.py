@@ -43,6 +43,7 @@ from ..validation.validate import Rules
 from ..web.api import READ_ONLY_ROUTES, Services, build_web_app
 from ..web.epp import AdapterSet, EppExporter
 from ..web.server import SHUTDOWN_GRACE_S, quiet_bad_requests, serve_http
+from ..web.tenants import NO_TENANTS, Tenants
 from .preflight import configuration_problems
 from .seed import REPOSITORY_DIR, seed_model_repository
 
@@ -84,6 +85,7 @@ class Sidecar:
         self.health = Health()
         self._disk_full: str | None = None  # why no new adapter fits the cache volume
         self.rules = Rules.from_settings(settings)
+        self.tenants = _load_tenants(settings.tenants_file)
         # The catalog first: the store tells it of every folder that leaves adapters/.
         self.catalog = Catalog(settings.cache_root, settings.triton_root, self.rules,
                                self.metrics, lease_ttl_s=settings.lease_ttl_s,
@@ -208,7 +210,7 @@ class Sidecar:
             settings=self.settings, store=self.store, stager=self.stager, naming=self.naming,
             metrics=self.metrics, readiness=self, catalog=self.naming,
             recovered=self.recovered, epp=self.epp,
-            registry_listing=self.registry_listing,
+            registry_listing=self.registry_listing, tenants=self.tenants,
         )
         self._runner, self.port = await serve_http(
             build_web_app(services), self.settings.host, self.settings.port, "port")
@@ -359,6 +361,19 @@ class Sidecar:
 
     def _count_registry_error(self, operation: str) -> None:
         self.metrics.registry_errors.labels(operation=operation).inc()
+
+
+def _load_tenants(path: Path | None) -> Tenants:
+    if path is None:
+        return NO_TENANTS
+    try:
+        tenants = Tenants.load(path)
+    except ValueError as exc:
+        raise ConfigError([f"--tenants {path}: {exc}"]) from None
+    log.info("tenants %s: %d tenant prefix(es), %s router token, /stage %s", path,
+             len(tenants.tenants), "a" if tenants.router_token_sha256 else "no",
+             "needs a token" if tenants.stage_requires_token else "open to callers without one")
+    return tenants
 
 
 def _check_writable(folder: Path) -> str | None:

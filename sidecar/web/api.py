@@ -11,7 +11,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
@@ -30,6 +30,7 @@ from ..core.errors import (
     CatalogDisabled,
     CatalogPending,
     CatalogReloading,
+    Forbidden,
     InvalidAdapter,
     InvalidAdapterId,
     LeaseNotFound,
@@ -46,6 +47,7 @@ from ..core.fsutil import iso_utc
 from ..core.ids import check_adapter_id
 from ..core.metrics import CONTENT_TYPE, Metrics
 from .epp import EppExporter
+from .tenants import NO_TENANTS, ROUTER, Tenant, Tenants
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ STATUS: dict[type[SidecarError], int] = {
     BadRequest: 400,
     InvalidAdapterId: 400,
     Unauthorized: 401,
+    Forbidden: 403,
     AdapterNotFound: 404,
     NotCached: 404,
     LeaseNotFound: 404,
@@ -124,6 +127,7 @@ class Services:
     recovered: asyncio.Event | None = None  # None: nothing to recover (set up in tests)
     epp: EppExporter | None = None  # /metrics/epp, when --epp-metrics is on
     registry_listing: RegistryListingView | None = None  # the last listing, shown by /catalog
+    tenants: Tenants = NO_TENANTS  # --tenants: tokens per adapter-id prefix
     triton_adapters_prefix: str = field(init=False)
     local_adapters_prefix: str = field(init=False)
     stage_fragments: dict[str, tuple[CachedAdapter, str]] = field(init=False, default_factory=dict)
@@ -206,17 +210,57 @@ async def _body(request: web.Request, kind: str) -> dict[str, Any]:
     return body
 
 
-def _authorize(request: web.Request) -> None:
-    token = request.app[SERVICES].settings.api_token
-    if token is None:
-        return
-    header = request.headers.get("Authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(
-        given.strip().encode(), token.encode()
-    ):
+def _authorize(request: web.Request, route: str) -> Tenant | None:
+    """Who calls `route`, checked before the body is read: the operator's token (--api-token)
+    may do anything (None); under --tenants a tenant's token or the router's (returned, for
+    `_in_scope` once the id is known). Without --tenants, /stage is open and the rest needs
+    the operator's token when one is set."""
+    services = _services(request)
+    operator, tenants = services.settings.api_token, services.tenants
+    given = _bearer(request)
+    if operator is not None and given is not None and hmac.compare_digest(
+            given.encode(), operator.encode()):
+        return None
+    if not tenants.on:
+        if route == "stage" or operator is None:
+            return None
         raise Unauthorized("this endpoint needs 'Authorization: Bearer <token>' "
                            "(the sidecar's --api-token)")
+    caller = tenants.caller(given)
+    if caller is None:
+        if route == "stage" and given is None and not tenants.stage_requires_token:
+            return None
+        raise Unauthorized("this endpoint needs 'Authorization: Bearer <token>': the "
+                           "operator's (--api-token), a tenant's or the router's (--tenants)"
+                           + ("; the token given is none of them" if given is not None else ""))
+    if caller is ROUTER and route != "stage":
+        _refuse(services, route, None, f"the router's token may only stage adapters, not {route}")
+    if caller is not ROUTER and route == "compact":
+        _refuse(services, route, None, f"tenant {caller.name}'s token may not compact the "
+                "catalog: only the operator's may")
+    return caller
+
+
+def _in_scope(request: web.Request, caller: Tenant | None, route: str, adapter_id: str) -> None:
+    """A tenant's token acts only on ids that start with its prefix (403 naming it)."""
+    if caller is None or caller is ROUTER or caller.owns(adapter_id):
+        return
+    _refuse(_services(request), route, adapter_id,
+            f"tenant {caller.name}'s token may {route} only adapter ids starting with "
+            f"{caller.prefix!r}; {adapter_id!r} does not")
+
+
+def _refuse(services: Services, route: str, adapter_id: str | None, why: str) -> NoReturn:
+    services.metrics.tenant_refusals.labels(route=route).inc()
+    raise Forbidden(why, adapter_id=adapter_id)
+
+
+def _bearer(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization")
+    if header is None:
+        return None
+    scheme, _, given = header.partition(" ")
+    return given.strip() if scheme.lower() == "bearer" else ""
 
 
 def _services(request: web.Request) -> Services:
@@ -304,9 +348,11 @@ def _stage_json(services: Services, named: Named) -> str:
 
 
 async def stage(request: web.Request) -> web.Response:
+    caller = _authorize(request, "stage")
     services = _services(request)
     body = await _body(request, "stage")
     adapter_id = check_adapter_id(body["adapter_id"])
+    _in_scope(request, caller, "stage", adapter_id)
     await _recovered(services, _stage_timeout(services, body))
     named = await services.naming.stage(
         adapter_id, timeout_s=_stage_timeout(services, body), lease=body.get("lease", True))
@@ -322,10 +368,11 @@ async def release(request: web.Request) -> web.Response:
 
 
 async def evict(request: web.Request) -> web.Response:
-    _authorize(request)
+    caller = _authorize(request, "evict")
     services = _services(request)
     body = await _body(request, "evict")
     adapter_id = check_adapter_id(body["adapter_id"])
+    _in_scope(request, caller, "evict", adapter_id)
     await _recovered(services)
     store = services.store
     if store.get(adapter_id) is None:
@@ -348,20 +395,22 @@ async def evict(request: web.Request) -> web.Response:
 
 
 async def pin(request: web.Request) -> web.Response:
-    _authorize(request)
+    caller = _authorize(request, "pin")
     services = _services(request)
     body = await _body(request, "pin")
     adapter_id = check_adapter_id(body["adapter_id"])
+    _in_scope(request, caller, "pin", adapter_id)
     await _recovered(services, _stage_timeout(services, body))
     result = await services.stager.pin(adapter_id, timeout_s=_stage_timeout(services, body))
     return web.json_response(adapter_view(services, result.adapter))
 
 
 async def unpin(request: web.Request) -> web.Response:
-    _authorize(request)
+    caller = _authorize(request, "unpin")
     services = _services(request)
     body = await _body(request, "unpin")
     adapter_id = check_adapter_id(body["adapter_id"])
+    _in_scope(request, caller, "unpin", adapter_id)
     await _recovered(services)
     was_pinned = services.store.unpin(adapter_id)
     if was_pinned:
@@ -433,7 +482,7 @@ async def catalog(request: web.Request) -> web.Response:
 
 
 async def compact(request: web.Request) -> web.Response:
-    _authorize(request)
+    _authorize(request, "compact")
     services = _services(request)
     if request.content_length:
         await _body(request, "compact")

@@ -3,6 +3,7 @@ the status the API answers it with, and its quick start runs as written, in orde
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sidecar.core import errors
 from tests.support.api import api_error_codes
 from tests.support.paths import REPO
 from tests.support.processes import free_port, http_status
@@ -151,3 +153,98 @@ def test_the_quick_start_runs_in_order_as_written(tmp_path: Path) -> None:
     assert answer["local_path"] == str(tmp_path / ".lora-cache" / "adapters" /
                                        "example-support-v1")
     assert str(shown["content_digest"]).rstrip("…") in answer["content_digest"]
+
+
+# ---- every cause of every code ---------------------------------------------------------------
+
+# Each place in sidecar/ that makes an error the API answers (module:function), and the words
+# of the README's error table that name that cause, in the row of its code. A new place fails
+# the test below until its cause is in the table and here.
+ERROR_CAUSES: dict[tuple[str, str], str] = {
+    ("adapter_in_use", "cache/store.py:evict"): "evicting a pinned, leased or about-to-be-leased",
+    ("adapter_not_found", "cache/refusals.py:not_found"): "remembered for `--not-found-ttl`",
+    ("adapter_not_found", "registry/local.py:_scan_files"): "not in the registry",
+    ("adapter_not_found", "registry/s3_client.py:list_files"): "not in the registry",
+    ("cache_full", "cache/pins.py:check_room"): "`POST /pin` when pinned adapters fill",
+    ("cache_full", "cache/stager.py:_disk_error"): "ran out of space during the download",
+    ("cache_full", "cache/store.py:_make_disk_room"): "the disk cannot hold it above",
+    ("cache_full", "cache/store.py:_reserve"): "pinned adapters hold the room",
+    ("cache_full", "cache/store.py:_reserve_in_turn"): "did not free within the caller's deadline",
+    ("cache_full", "cache/store.py:fits_budget"): "larger than `--max-bytes`",
+    ("cache_not_writable", "cache/stager.py:_disk_error"): "the cache volume refuses writes",
+    ("catalog_disabled", "web/api.py:compact"): "renders no catalog",
+    ("catalog_pending", "catalog/catalog.py:_link"): "a name's link could not be made",
+    ("catalog_pending", "catalog/catalog.py:name"): "left the disk before a name was given",
+    ("catalog_pending", "catalog/reloads.py:_not_serving"): "no engine serves a catalog yet",
+    ("catalog_pending", "catalog/reloads.py:naming_generation"): "no catalog is rendered yet",
+    ("catalog_pending", "catalog/reloads.py:no_name_left"): "no name for this adapter and no spare",
+    ("catalog_reloading", "catalog/reloads.py:_not_serving"): "an `unload-first` reload",
+    ("forbidden", "web/api.py:_refuse"): "outside its prefix",
+    ("invalid_adapter", "cache/refusals.py:refuse"): "refused by validation",
+    ("invalid_adapter", "core/errors.py:recalled"): "answered from memory",
+    ("invalid_adapter_id", "core/ids.py:check_adapter_id"): "bad id",
+    ("invalid_request", "web/api.py:_body"): "unknown field",
+    ("invalid_request", "web/api.py:_read_body"): "malformed JSON",
+    ("lease_not_found", "cache/leases.py:release"): "no such live lease",
+    ("not_cached", "cache/stager.py:_hand_out"): "evicted by force in the instant it was staged",
+    ("not_cached", "cache/store.py:evict"): "not on disk (`POST /evict`",
+    ("not_cached", "web/api.py:get_adapter"): "`GET /adapters/{id}`",
+    ("not_ready", "web/api.py:_recovered"): "while the start-up recovery still runs",
+    ("not_ready", "web/api.py:readyz"): "not ready yet",
+    ("registry_error", "registry/httpranges.py:_refusal"): "the registry refused",
+    ("registry_error", "registry/s3_client.py:_translate"): "the registry refused",
+    ("registry_object_changed", "registry/httpranges.py:_check_range"): "changed between listing",
+    ("registry_object_changed", "registry/httpranges.py:_refusal"): "changed between listing",
+    ("registry_object_changed", "registry/local.py:fetch"): "changed between listing",
+    ("registry_object_changed", "registry/local.py:readinto"): "changed between listing",
+    ("registry_object_changed", "registry/s3_client.py:_translate"): "changed between listing",
+    ("registry_transient", "cache/stager.py:_fetch_and_validate"): "damaged on every download",
+    ("registry_transient", "cache/stager.py:_fetch_intact"): "damaged on every download",
+    ("registry_unavailable", "registry/httpranges.py:_refusal"): "unreachable",
+    ("registry_unavailable", "registry/httpranges.py:fault"): "unreachable",
+    ("registry_unavailable", "registry/local.py:probe"): "unreachable",
+    ("registry_unavailable", "registry/local.py:readinto"): "unreachable",
+    ("registry_unavailable", "registry/s3_client.py:_translate"): "unreachable",
+    ("registry_unavailable", "registry/s3_client.py:fetch"): "unreachable",
+    ("registry_unavailable", "registry/s3_client.py:sign"): "unreachable",
+    ("registry_unavailable", "registry/transfer.py:_stream_part"): "unreachable",
+    ("stage_timeout", "cache/stager.py:_await_stage"): "`timeout_s` ran out",
+    ("unauthorized", "web/api.py:_authorize"): "missing or wrong bearer token",
+}
+
+
+def error_sites() -> set[tuple[str, str]]:
+    """(code, module:function) of every call in sidecar/ that makes an error the API answers."""
+    codes = {name: cls.code for name, cls in vars(errors).items()
+             if isinstance(cls, type) and issubclass(cls, errors.SidecarError)
+             and cls is not errors.SidecarError}
+    sites = set()
+    for path in sorted((REPO / "sidecar").rglob("*.py")):
+        module = path.relative_to(REPO / "sidecar").as_posix()
+        for function in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(function):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                        and node.func.id in codes):
+                    sites.add((codes[node.func.id], f"{module}:{function.name}"))
+    return sites
+
+
+def test_every_cause_of_every_error_code_is_in_the_readme_row_of_its_code() -> None:
+    lines = README.read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| status | `error` |"))
+    rows: dict[str, str] = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        for code in re.findall(r"`([a-z_]+)`", cells[1]):
+            rows[code] = rows.get(code, "") + " " + cells[2]
+    sites = error_sites()
+    unlisted = sorted(sites - ERROR_CAUSES.keys())
+    assert not unlisted, f"places that make an error with no cause named here: {unlisted}"
+    assert sorted(ERROR_CAUSES.keys() - sites) == [], "causes of places that are gone"
+    missing = sorted((code, words) for (code, _), words in ERROR_CAUSES.items()
+                     if words not in rows.get(code, ""))
+    assert not missing, f"causes the README's error table does not name: {missing}"
