@@ -1,7 +1,9 @@
-"""The store on its own: lease expiry in the order leases were granted."""
+"""The store on its own: lease expiry in the order leases were granted, claims, and the room a
+download reserves (given in the order asked, waited for within a deadline)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -9,8 +11,9 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.cache.records import AdapterRecord, FileRecord
 from sidecar.cache.store import AdapterStore
-from sidecar.core.errors import LeaseNotFound
+from sidecar.core.errors import CacheFull, LeaseNotFound
 from sidecar.core.metrics import Metrics
+from tests.support.waiting import eventually
 
 
 class Clock:
@@ -90,3 +93,72 @@ def test_the_store_trims_itself_when_a_release_or_an_unclaim_frees_room(tmp_path
         # b's claim ends first (the inner block), c's after: b goes at once, c stays.
     assert [a.adapter_id for a in store.adapters()] == ["c"]
     assert not (tmp_path / "adapters" / "a").exists()  # moved to .trash/, not left behind
+
+
+def leased_store(tmp_path: Path, clock: Clock) -> tuple[AdapterStore, str]:
+    """A store of one adapter in a budget of one, that adapter leased: no room for another."""
+    store = AdapterStore(tmp_path, max_bytes=10**9, max_adapters=1, min_free_bytes=0,
+                         lease_ttl_s=60.0, metrics=Metrics(CollectorRegistry(), process=False),
+                         clock=clock, monotonic=clock)
+    store.prepare()
+    (tmp_path / "adapters" / "a").mkdir()
+    store.install([AdapterRecord("a", "test", clock(), {"w": FileRecord(10, "e", "0" * 64)})])
+    return store, store.lease("a").lease_id
+
+
+async def test_downloads_waiting_for_room_get_it_in_the_order_they_asked(tmp_path: Path) -> None:
+    store, lease_id = leased_store(tmp_path, Clock())
+    order: list[str] = []
+
+    async def download(adapter_id: str) -> None:
+        async with store.staging(adapter_id) as staging:
+            assert staging.path.is_dir() and staging.path.parent == store.staging_dir
+            await staging.reserve(10, wait_s=30)
+            order.append(adapter_id)
+            await asyncio.sleep(0)  # hold the room for a step: the next one still waits
+        assert not staging.path.exists()  # the folder goes with the block
+
+    tasks = [asyncio.create_task(download(adapter_id)) for adapter_id in ("b", "c", "d")]
+    await eventually(lambda: store.waiting_for_room == 3, timeout_s=10,
+                     what="three downloads waiting for room")
+    assert order == []
+    store.release(lease_id)  # a is evicted; the room passes from one download to the next
+    await asyncio.gather(*tasks)
+
+    assert order == ["b", "c", "d"]
+    assert store.waiting_for_room == 0
+
+
+async def test_a_download_that_waits_past_its_time_is_cache_full_and_retryable(
+    tmp_path: Path,
+) -> None:
+    store, _ = leased_store(tmp_path, Clock())
+
+    async with store.staging("b") as staging:
+        with pytest.raises(CacheFull) as raised:
+            await staging.reserve(10, wait_s=0.05)
+
+    assert raised.value.retryable and "waited" in raised.value.message
+    assert store.waiting_for_room == 0 and list(store.staging_dir.iterdir()) == []
+    assert store.get("a") is not None  # nothing was evicted for it
+
+
+async def test_pinned_room_is_cache_full_at_once_without_waiting(tmp_path: Path) -> None:
+    store, lease_id = leased_store(tmp_path, Clock())
+    store.pin("a")
+    store.release(lease_id)
+
+    async with store.staging("b") as staging:
+        with pytest.raises(CacheFull) as raised:
+            await staging.reserve(10, wait_s=30)
+
+    assert not raised.value.retryable and store.waiting_for_room == 0
+
+
+def test_an_adapter_larger_than_the_budget_is_refused_before_any_room_is_made(
+    tmp_path: Path,
+) -> None:
+    store = store_with_adapter(tmp_path, Clock())
+    with pytest.raises(CacheFull) as raised:
+        store.fits_budget("huge", 10**9 + 1)
+    assert not raised.value.retryable and store.get("a") is not None
