@@ -447,6 +447,7 @@ class AdapterStore:
                                wait_s: float) -> Reservation:
         """reserve(), waiting in arrival order while the room is held by what will end
         (leases, claims, downloads in progress); at once when nobody waits before us."""
+        refused = None
         if not self._room_waiters:
             try:
                 return self._reserve(adapter_id, size_bytes)
@@ -454,8 +455,10 @@ class AdapterStore:
                 if not exc.retryable or wait_s <= 0:
                     raise
                 refused = exc
-        else:
-            refused = None
+        elif wait_s <= 0:
+            raise CacheFull(f"adapter {adapter_id} has no time left to wait for room, and "
+                            f"{len(self._room_waiters)} download(s) wait for it before it",
+                            adapter_id=adapter_id, retryable=True)
         waiter = _RoomWaiter(adapter_id)
         self._room_waiters.append(waiter)
         log.info("adapter_id=%s waits for room (%d download(s) waiting)", adapter_id,

@@ -172,7 +172,8 @@ class Metrics:
               cache_capacity_adapters: Callable[[], float],
               pinned_adapters: Callable[[], float], active_leases: Callable[[], float],
               inflight_downloads: Callable[[], float],
-              cache_room_bytes: Callable[[], float]) -> None:
+              cache_room_bytes: Callable[[], float],
+              waiting_for_room: Callable[[], float]) -> None:
         """Register the gauges read at scrape time, each from the function given for it."""
         self.metrics_registry.register(ScrapeGauges((
             ("cache_bytes", "Bytes of published adapters on the cache volume.", cache_bytes),
@@ -187,4 +188,6 @@ class Metrics:
             ("cache_room_bytes", "Bytes a new adapter can have now, evicting what nothing "
              "protects: the budget's room or the disk's above --min-free-disk, the smaller.",
              cache_room_bytes),
+            ("stages_waiting_for_room", "Downloads waiting, first come first served, for room "
+             "that leases, claims or other downloads hold.", waiting_for_room),
         )))

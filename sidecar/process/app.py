@@ -132,6 +132,7 @@ class Sidecar:
             active_leases=lambda: store.live_lease_count,
             inflight_downloads=lambda: len(stager.inflight),
             cache_room_bytes=store.room_bytes,
+            waiting_for_room=lambda: store.waiting_for_room,
         )
         self.registry_listing = RegistryListing(
             self.registry, settings.catalog_refresh_s,

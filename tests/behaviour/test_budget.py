@@ -94,6 +94,8 @@ async def test_a_stage_waits_for_room_a_lease_holds_and_is_staged_once_it_is_rel
                                        {"adapter_id": "b", "timeout_s": 60}))
     await eventually(lambda: sidecar.store.waiting_for_room == 1, timeout_s=10,
                      what="the stage of b waiting for room")
+    assert sidecar.metrics.metrics_registry.get_sample_value(
+        "lora_sidecar_stages_waiting_for_room") == 1
     assert cached_ids(tmp_path) == {"a"}
     await release(http, sidecar, leased["lease_id"])
 
