@@ -66,7 +66,6 @@ class Staging:
     path: Path
     _store: AdapterStore
     reservation: Reservation | None = None
-    waited_s: float = 0.0  # how long reserve() waited for room held by others
 
     async def reserve(self, size_bytes: int, *, wait_s: float) -> None:
         """Hold room for the whole adapter (evicting what nothing protects), waiting up to
@@ -75,10 +74,8 @@ class Staging:
         cannot fit, or still does not after waiting."""
         if self.reservation is not None:
             raise RuntimeError(f"room for {self.adapter_id} is reserved already")
-        started = time.monotonic()
         self.reservation = await self._store._reserve_in_turn(self.adapter_id, size_bytes,
                                                                wait_s)
-        self.waited_s = time.monotonic() - started
         # Room made by evicting is on disk only once the evicted folders are deleted.
         await self._store.settle_trash()
 
@@ -452,7 +449,7 @@ class AdapterStore:
             try:
                 return self._reserve(adapter_id, size_bytes)
             except CacheFull as exc:
-                if not exc.retryable or wait_s <= 0:
+                if wait_s <= 0 or not self._waiting_can_help(exc, size_bytes):
                     raise
                 refused = exc
         elif wait_s <= 0:
@@ -471,7 +468,7 @@ class AdapterStore:
                         try:
                             return self._reserve(adapter_id, size_bytes)
                         except CacheFull as exc:
-                            if not exc.retryable:
+                            if not self._waiting_can_help(exc, size_bytes):
                                 raise
                             refused = exc
                     waiter.woken.clear()
@@ -487,6 +484,20 @@ class AdapterStore:
         finally:
             self._room_waiters.remove(waiter)
             self._wake_first()
+
+    def _waiting_can_help(self, refused: CacheFull, size_bytes: int) -> bool:
+        """Whether what holds the room ends by itself (leases, claims, downloads): the budget
+        is not held by pins (`retryable`), and the disk would take the adapter with every
+        unpinned adapter gone. A disk filled by others, or by pins, is answered at once."""
+        if not refused.retryable:
+            return False
+        unpinned = sum(a.size_bytes for a in self._index.values()
+                       if a.adapter_id not in self._pins)
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return False
+        return free - self.min_free_bytes + unpinned >= size_bytes
 
     def _wake_first(self) -> None:
         """Room may have freed: the first download waiting for it looks again."""

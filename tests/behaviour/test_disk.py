@@ -195,6 +195,7 @@ async def test_a_full_volume_shows_in_the_room_gauge_and_readyz_and_is_said_once
 ) -> None:
     volume = small_fs(1024**2)
     s3.put_adapter("small", seed=1)
+    s3.put_adapter("other", seed=2)
     settings = s3_settings(tmp_path, s3, cache_root=volume / "cache", min_free_bytes=128 * 1024)
     sidecar = await start_sidecar(settings)
     status, leased = await stage(http, sidecar, "small")  # leased: nothing can be evicted
@@ -215,6 +216,11 @@ async def test_a_full_volume_shows_in_the_room_gauge_and_readyz_and_is_said_once
         assert room_gauge(sidecar) == 0
         status, hit = await stage(http, sidecar, "small")
         assert status == 200 and hit["cached"] is True
+        # A disk full of other files: waiting for the lease would not make room, so the
+        # answer comes at once rather than after the caller's minute.
+        status, full = await stage(http, sidecar, "other", timeout_s=60)
+        assert status == 507 and full["error"] == "cache_full", full
+        assert "waited" not in full["message"] and sidecar.store.waiting_for_room == 0
 
         filler.unlink()
 
