@@ -163,6 +163,15 @@ class Reloads:
                      noop.module)
         return self.catalog.noop is not None
 
+    @property
+    def model(self) -> str:
+        """Triton's vLLM model, as messages name it."""
+        return self._model
+
+    def engine_refused(self) -> None:
+        """The engine refused a name it was given: probe it now rather than at the next tick."""
+        self._wake.set()
+
     def _catalog_changed(self) -> None:
         self._update_gauges()
         self._wake.set()
@@ -412,7 +421,7 @@ class Reloads:
     def _serving_may_have_changed(self) -> None:
         self._update_gauges()
         self.serving_changed.set()
-        self.serving_changed = asyncio.Event()
+        self.serving_changed = asyncio.Event()  # a request held for a name waits on it
 
     async def sync(self) -> None:
         """One step: probe Triton, render and (re)load if that is due, retire what is past
@@ -567,7 +576,7 @@ class Reloads:
         generation = await catalog.render(versions, spares, self._disk.digest_of)
         if reason is not None:
             self._metrics.catalog_compactions.labels(reason=reason.value).inc()
-        self._update_gauges()
+        self._serving_may_have_changed()  # without reloads, the rendered generation names
         spare_count = sum(1 for e in generation.names.values() if e.spare)
         log.info("catalog: generation %d lists %d adapters and %d spare names (%s)",
                  generation.number, len(generation.names) - spare_count, spare_count,
