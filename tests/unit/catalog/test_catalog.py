@@ -26,13 +26,19 @@ from sidecar.cache.stager import Stager
 from sidecar.cache.store import AdapterStore
 from sidecar.catalog.catalog import Catalog
 from sidecar.catalog.disk import read_catalog_journal
+from sidecar.catalog.engine_refusal import EngineRefusal
 from sidecar.catalog.engine_state import EngineState, Probe
 from sidecar.catalog.name_state import NameState, Version
 from sidecar.catalog.naming import Naming, StoreView
 from sidecar.catalog.read_watch import DECOY_WINDOW_S
 from sidecar.catalog.reloads import RETRY_AFTER_FAILURE_S, Reloads
 from sidecar.config import CompactionWindow, Settings, TritonReload
-from sidecar.core.errors import CatalogPending, CatalogReloading
+from sidecar.core.errors import (
+    CatalogPending,
+    CatalogReloading,
+    EngineFailed,
+    EngineUnavailable,
+)
 from sidecar.core.metrics import Metrics
 from sidecar.process.examples import write_adapter
 from sidecar.registry.local import LocalRegistry
@@ -1202,3 +1208,78 @@ async def test_an_adapter_the_watcher_adopts_follows_the_catalogs_rule(
     sidecar.reloads.request_compaction()
     await sidecar.reloads.sync()
     assert "copied-v1" in sidecar.reloads.status()["adapter_ids"]
+
+
+# ---- /stage held while no engine serves (naming.py) -------------------------------------------
+
+
+async def test_a_stage_arriving_during_an_unload_first_reload_is_held_and_answered(
+    world: World,
+) -> None:
+    world.add_adapter("a1")
+    reloads = await serving(world, triton_reload=TritonReload.UNLOAD_FIRST)
+    await world.stage("a1")
+    world.control.gate = asyncio.Event()
+    world.control.entered.clear()
+    reloads.request_compaction()
+    reload = asyncio.create_task(reloads.sync())
+    await world.control.entered.wait()
+    assert world.naming is not None
+
+    held = asyncio.create_task(world.naming.stage("a1", timeout_s=30, lease=True, hold_s=30))
+    await asyncio.sleep(0)  # the stage meets the reload: it waits, no error
+    assert not held.done()
+    world.control.gate.set()
+    await reload
+    named = await held
+
+    assert named.lora_name == "a1"
+    assert named.staged.lease is not None
+
+
+async def test_held_past_hold_s_the_stage_fails_and_gives_its_lease_back(world: World) -> None:
+    world.add_adapter("a1")
+    await serving(world, spare_names=0)
+    world.add_adapter("a2")
+    assert world.naming is not None and world.store is not None
+
+    with pytest.raises(CatalogPending) as caught:
+        await world.naming.stage("a2", timeout_s=30, lease=True, hold_s=0.05)
+
+    assert "held" in caught.value.message and "hold_s" in caught.value.message
+    assert world.store.snapshot().active_leases == 0
+
+
+async def test_an_engine_refusal_is_judged_and_a_name_answered_once_what_serves_changed(
+    world: World,
+) -> None:
+    world.add_adapter("a1")
+    reloads = await serving(world)
+    name = await world.stage("a1")
+    assert world.naming is not None
+    refusal = EngineRefusal(name, "Request for unknown model: 'vllm_model' is not found",
+                            "NOT_FOUND")
+
+    with pytest.raises(EngineUnavailable, match="vllm_model is not available"):
+        await world.naming.stage("a1", timeout_s=30, lease=False, refused=refusal)
+    held = asyncio.create_task(world.naming.stage("a1", timeout_s=30, lease=False, hold_s=30,
+                                                  refused=refusal))
+    await asyncio.sleep(0)
+    assert not held.done()
+    world.control.ready = False  # the engine went: the probe sees it, the sidecar loads it
+    await reloads.sync()
+    await reloads.sync()
+
+    assert (await held).lora_name == name
+
+
+async def test_an_engine_failing_on_the_request_itself_is_answered_before_staging(
+    world: World,
+) -> None:
+    world.add_adapter("a1")
+    await serving(world)
+    assert world.naming is not None
+
+    with pytest.raises(EngineFailed, match="failed on adapter a1: bad prompt"):
+        await world.naming.stage("a1", timeout_s=30, lease=True,
+                                 refused=EngineRefusal("a1", "bad prompt", "INTERNAL"))

@@ -19,8 +19,7 @@ import routing
 import triton_python_backend_utils as pb_utils
 from routing import RouteError, requested_adapter_id
 
-_CODES = {getattr(pb_utils.TritonError, name, None): name for name in (
-    "NOT_FOUND", "UNAVAILABLE", "INVALID_ARG", "INTERNAL", "UNSUPPORTED")}
+_CODES = ("NOT_FOUND", "UNAVAILABLE", "INVALID_ARG", "INTERNAL", "UNSUPPORTED")
 
 
 class TritonPythonModel:
@@ -89,8 +88,9 @@ class TritonPythonModel:
             self._finished_streams.keep(responses)
             for response in responses:
                 if response.has_error():
-                    error = response.error()
-                    raise routing.VllmError(error.message(), _CODES.get(error.code()))
+                    code = [n for n in _CODES if getattr(pb_utils.TritonError, n, 0) ==
+                            response.error().code()]  # TritonError exists only once loaded
+                    raise routing.VllmError(response.error().message(), (code or [None])[0])
                 tensor = pb_utils.get_output_tensor_by_name(response, "text_output")
                 if tensor is not None:  # a decoupled model may end with an empty final response
                     for piece in tensor.as_numpy().reshape(-1):
