@@ -34,6 +34,7 @@ class TritonPythonModel:
             self._parameters = bool(pb_utils.InferenceResponse(output_tensors=[], parameters={}))
         except TypeError:
             self._parameters = False
+            pb_utils.Logger.log_info("router: this Python backend has no response parameters")
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -129,8 +130,7 @@ def _error(status: str, message: str) -> Any:  # a status Triton lacks is INTERN
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
 
-def _text(request: Any, name: str, required: bool = False) -> str | None:
-    """The one string of input `name`, or None (RouteError if `required`)."""
+def _text(request: Any, name: str, required: bool = False) -> str | None:  # one string, or None
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     values = tensor.as_numpy().reshape(-1) if tensor is not None else []
     if len(values) != 1 and (required or tensor is not None):
