@@ -1264,7 +1264,7 @@ async def test_an_engine_refusal_is_judged_and_a_name_answered_once_what_serves_
         await world.naming.stage("a1", timeout_s=30, lease=False, refused=refusal)
     held = asyncio.create_task(world.naming.stage("a1", timeout_s=30, lease=False, hold_s=30,
                                                   refused=refusal))
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one turn of the loop: the stage is waiting, not answered
     assert not held.done()
     world.control.ready = False  # the engine went: the probe sees it, the sidecar loads it
     await reloads.sync()
