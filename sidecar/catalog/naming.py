@@ -134,6 +134,7 @@ class Naming:
         refusal, once something changed in what serves), or the last error at `hold_until`."""
         loop = asyncio.get_running_loop()
         started = loop.time()
+        held = hold_until > started  # else the stage itself took the hold asked for
         while True:
             changed = self.reloads.serving_changed  # taken first: a change after it wakes us
             error: SidecarError
@@ -158,7 +159,7 @@ class Naming:
                 else:
                     refused = None  # what serves changed: the engine may serve the name now
                     continue
-            if hold_until > started:
+            if held:
                 error.message += f" (held {loop.time() - started:.1f}s, the caller's hold_s)"
             raise error
 

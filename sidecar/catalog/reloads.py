@@ -91,7 +91,6 @@ class Reloads:
         self._lock = asyncio.Lock()  # one render-and-load at a time (held across a load)
         self._wake = asyncio.Event()
         self.serving_changed = asyncio.Event()  # set (and replaced) when what serves changes
-        catalog.on_change = self._catalog_changed
 
     # ---- start ---------------------------------------------------------------------------
 
@@ -154,7 +153,8 @@ class Reloads:
         """The engine refused a name it was given: probe it now rather than at the next tick."""
         self._wake.set()
 
-    def _catalog_changed(self) -> None:
+    def catalog_changed(self) -> None:
+        """The catalog's `on_change`: something to save, or a plan to free."""
         self._update_gauges()
         self._wake.set()
 
