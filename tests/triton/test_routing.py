@@ -8,6 +8,7 @@ import socket
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -374,12 +375,16 @@ async def serve_sidecar(keepalive_timeout_s: float = 75.0) -> tuple[web.AppRunne
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}", peers
 
 
-async def test_calls_reuse_one_keep_alive_connection() -> None:
+async def test_a_threads_calls_reuse_one_keep_alive_connection() -> None:
     runner, url, peers = await serve_sidecar()
-    try:
-        sidecar = new_client(routing.RouterSettings(sidecar_url=url))
+    sidecar = new_client(routing.RouterSettings(sidecar_url=url))
+
+    def twenty_requests() -> None:  # one worker thread, as a router thread answers in turn
         for _ in range(20):
-            await asyncio.to_thread(routing.route, "p", "a1", None, sidecar, FakeVllm())
+            routing.route("p", "a1", None, sidecar, FakeVllm())
+
+    try:
+        await asyncio.to_thread(twenty_requests)
     finally:
         await runner.cleanup()
 
@@ -391,14 +396,19 @@ async def test_a_connection_the_sidecar_closed_while_idle_is_replaced_without_an
     # The server drops idle connections after 0.2 s; the router keeps them for longer, so its
     # next call meets a connection the server has closed.
     runner, url, peers = await serve_sidecar(keepalive_timeout_s=0.2)
-    try:
-        sidecar = new_client(routing.RouterSettings(sidecar_url=url))
-        first = await asyncio.to_thread(routing.route, "p", "a1", None, sidecar, FakeVllm())
-        await eventually(lambda: _no_connections(runner), timeout_s=10,
-                         what="the sidecar closing its idle connection")
-        second = await asyncio.to_thread(routing.route, "p", "a1", None, sidecar, FakeVllm())
-    finally:
-        await runner.cleanup()
+    sidecar = new_client(routing.RouterSettings(sidecar_url=url))
+    loop = asyncio.get_running_loop()
+    # One thread, so its second call takes the connection the first left behind.
+    with ThreadPoolExecutor(max_workers=1) as thread:
+        try:
+            first = await loop.run_in_executor(
+                thread, routing.route, "p", "a1", None, sidecar, FakeVllm())
+            await eventually(lambda: _no_connections(runner), timeout_s=10,
+                             what="the sidecar closing its idle connection")
+            second = await loop.run_in_executor(
+                thread, routing.route, "p", "a1", None, sidecar, FakeVllm())
+        finally:
+            await runner.cleanup()
 
     assert first == second == "hello world"
     assert len(set(peers)) == 2
