@@ -94,12 +94,12 @@ class SidecarRoundTrip:
     def lora_name(self) -> str:
         """The name vllm_model knows the adapter by (a spare name bound to it, or its id)."""
         lease = self._client.stage(ADAPTER_ID)
-        self._client.release(lease.lease_id)
+        self._client.release(lease, print)
         return str(lease.lora_name)
 
     def __call__(self) -> None:
         lease = self._client.stage(ADAPTER_ID)
-        self._client.release(lease.lease_id)
+        self._client.release(lease, print)
 
 
 def latencies_ms(paths: dict[str, Callable[[], None]], calls: int,

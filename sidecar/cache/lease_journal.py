@@ -100,7 +100,7 @@ class LeaseJournal:
         self,
         path: Path,
         *,
-        max_leases: int = 100_000,
+        max_leases: int,
         wall: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         boot_id: str | None = None,

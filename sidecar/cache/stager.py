@@ -78,8 +78,8 @@ class Stager:
         metrics: Metrics,
         *,
         refusal_ttl_s: float,
-        not_found_ttl_s: float = 0.0,
-        upload_settle_s: float = 0.0,
+        not_found_ttl_s: float,
+        upload_settle_s: float,
         on_registry_result: Callable[[SidecarError | None], None] = lambda _: None,
     ) -> None:
         self._store = store

@@ -134,7 +134,7 @@ class AdapterStore:
         min_free_bytes: int,
         lease_ttl_s: float,
         metrics: Metrics,
-        max_leases: int = 100_000,
+        max_leases: int,
         pinned: Iterable[str] = (),
         listener: StoreListener | None = None,
         clock: Callable[[], float] = time.time,

@@ -66,6 +66,7 @@ class Catalog(StoreListener):
 
     def __init__(self, root: Path, triton_root: Path, rules: Rules, metrics: Metrics, *,
                  lease_ttl_s: float, spares_wanted: bool = True,
+                 on_change: Callable[[], None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time) -> None:
         self.root = root
@@ -84,7 +85,7 @@ class Catalog(StoreListener):
         self.reads = ReadWatch(clock)
         self._lock = asyncio.Lock()  # journal writes and name switches that await
         self.dirty = False  # changed by a synchronous hook; saved by save_if_dirty()
-        self.on_change: Callable[[], None] = lambda: None  # something to save or a plan to free
+        self._on_change = on_change  # something to save or a plan to free
         self._orphans: dict[int, float] = {}  # folders no journal names -> delete after (unix)
         self.disk_bytes = 0  # the catalog's own bytes on the volume, as last measured
         self._judging: asyncio.TimerHandle | None = None
@@ -328,7 +329,7 @@ class Catalog(StoreListener):
         if due is not None and self._judging is None:
             self._judging = asyncio.get_running_loop().call_later(due, self._judge_later)
         if burnt:
-            self.on_change()
+            self._on_change()
 
     def _judge_later(self) -> None:
         self._judging = None
@@ -443,14 +444,14 @@ class Catalog(StoreListener):
             if name is not None:
                 self._note(self._switch(generation, name, NameEvent.FAIL,
                                         "its adapter's folder was changed outside the sidecar"))
-        self.on_change()
+        self._on_change()
 
     def _park_all(self, adapter_id: str, why: str) -> None:
         for generation in list(self.catalog_journal.generations.values()):
             name = generation.bound_name_of(adapter_id)
             if name is not None:
                 self._note(self._switch(generation, name, NameEvent.LEAVE, why))
-        self.on_change()
+        self._on_change()
 
     # ---- generations -----------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ kept for it (catalog.py). Also the cache as the catalog sees it (`StoreView`: ve
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -16,13 +17,20 @@ from typing import Any
 from ..cache.lru import CachedAdapter
 from ..cache.stager import Stager, StageResult
 from ..cache.store import AdapterStore
-from ..core.errors import SidecarError
+from ..core.errors import (
+    CatalogPending,
+    CatalogReloading,
+    EngineFailed,
+    LeaseNotFound,
+    SidecarError,
+)
 from ..core.fsutil import iso_utc
 from ..core.logs import fields
 from ..core.metrics import Metrics
 from ..validation.safetensors_check import check_safetensors
 from .catalog import Catalog, NoNameLeft
 from .disk import WEIGHTS_FILE, NoopAdapter
+from .engine_refusal import EngineRefusal, judge
 from .name_state import NameEvent, Version
 from .reloads import Reloads
 
@@ -92,22 +100,72 @@ class Naming:
         # adapter id -> (the digest named before, the digest now, when it was seen, unix)
         self._replaced: dict[str, tuple[str, str, float]] = {}
 
-    async def stage(self, adapter_id: str, *, timeout_s: float, lease: bool = True) -> Named:
+    async def stage(self, adapter_id: str, *, timeout_s: float, lease: bool = True,
+                    hold_s: float = 0.0, refused: EngineRefusal | None = None) -> Named:
         """Stage an adapter (leased unless `lease` is false), then name it. Named after staging,
         so an unknown or invalid adapter says so first and a name is given only to an adapter
-        validated and published; when no name can be given yet (CatalogPending,
-        CatalogReloading) the lease is released before the error is raised."""
+        validated and published.
+
+        While no engine serves a catalog that names it (a reload, a load, a compaction
+        planned), the answer waits up to `hold_s` (within `timeout_s`) for that to end: the
+        sidecar knows when it does. `refused` is the engine's refusal of the name the last
+        answer gave: judged here, it is answered at once when the engine failed on the request
+        itself, else waited out like a reload. The lease is released before an error is
+        raised."""
+        now = asyncio.get_running_loop().time()
+        hold_until = now + min(hold_s, timeout_s)
+        failure = None if refused is None else judge(refused, adapter_id, self.reloads.model)
+        if isinstance(failure, EngineFailed):
+            raise failure  # asking the engine again would be answered the same
         # Kept from eviction until it has its name: by its lease, or (a warm-up, unleased) by
         # a claim held from before the stage to after the naming, so an adapter that was
         # staged is always answered with a name.
         with contextlib.nullcontext() if lease else self._store.claim(adapter_id):
             staged = await self._stager.stage(adapter_id, timeout_s=timeout_s, lease=lease)
             try:
-                return Named(staged, await self.lora_name(staged.adapter))
-            except SidecarError:
+                name = await self._name_when_served(staged.adapter, hold_until, refused, failure)
+            except BaseException:  # an error, or the caller gone while held
                 if staged.lease is not None:
-                    self._store.release(staged.lease.lease_id)
+                    with contextlib.suppress(LeaseNotFound):  # expired meanwhile
+                        self._store.release(staged.lease.lease_id)
                 raise
+        return Named(staged, name)
+
+    async def _name_when_served(self, adapter: CachedAdapter, hold_until: float,
+                                refused: EngineRefusal | None, failure: SidecarError | None
+                                ) -> str:
+        """The name, once an engine serves a catalog that names the adapter (and, after a
+        refusal, once something changed in what serves), or the last error at `hold_until`."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        held = hold_until > started  # else the stage itself took the hold asked for
+        while True:
+            changed = self.reloads.serving_changed  # taken first: a change after it wakes us
+            error: SidecarError
+            try:
+                name = await self.lora_name(adapter)
+                if refused is None or name != refused.lora_name:
+                    return name
+                assert failure is not None
+                error = failure
+                if not self.reloads.reloads:
+                    raise error  # the operator reloads Triton: nothing here to wait for
+                self.reloads.engine_refused()
+            except (CatalogPending, CatalogReloading) as exc:
+                error = exc
+            remaining_s = hold_until - loop.time()
+            if remaining_s > 0:
+                try:
+                    async with asyncio.timeout(remaining_s):
+                        await changed.wait()
+                except TimeoutError:
+                    pass
+                else:
+                    refused = None  # what serves changed: the engine may serve the name now
+                    continue
+            if held:
+                error.message += f" (held {loop.time() - started:.1f}s, the caller's hold_s)"
+            raise error
 
     async def lora_name(self, adapter: CachedAdapter) -> str:
         """The name to send vLLM for a staged adapter. CatalogPending or CatalogReloading

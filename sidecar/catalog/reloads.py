@@ -15,8 +15,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from enum import Enum
 from typing import Any, Protocol
 
 from ..config import Settings, TritonReload
@@ -24,7 +22,9 @@ from ..core.errors import CatalogPending, CatalogReloading
 from ..core.fsutil import iso_utc
 from ..core.logs import fields
 from ..core.metrics import Metrics
+from . import compaction
 from .catalog import Catalog
+from .compaction import RETRY_AFTER_FAILURE_S, CompactionReason, Plan
 from .disk import NoopAdapter
 from .engine_state import EngineState, EngineTracker, LoadKind, LoadOutcome, Probe, Transition
 from .generation import Generation
@@ -33,26 +33,8 @@ from .triton_control import ModelControl, ReloadFailed, TritonControl
 
 log = logging.getLogger(__name__)
 
-RETRY_AFTER_FAILURE_S = 5.0
 PROBE_INTERVAL_S = 2.0
-SPARES_MIN = 32  # spares of a generation sized from the registry: at least these
-SPARES_UNKNOWN = 256  # when the registry could not be listed yet
 FIRST_LISTING_WAIT_S = 10.0  # a first generation waits this long for the registry's listing
-
-
-class CompactionReason(Enum):
-    EXHAUSTED = "exhausted"  # an adapter waits for a name and no spare is left
-    SPARES_LOW = "spares_low"  # spares left at or below --compact-below
-    WINDOW = "window"  # the quiet window, with something to tidy
-    REQUESTED = "requested"  # POST /catalog/compact
-    ENGINE_LOST = "engine_lost"  # a load is needed anyway and the generation names a gone path
-
-
-@dataclass(slots=True)
-class Plan:
-    reason: CompactionReason
-    since: float  # monotonic: when it was planned
-    not_before: float  # monotonic: the earliest it may start (a quiet window's start)
 
 
 class DiskView(Protocol):
@@ -109,7 +91,6 @@ class Reloads:
         self._lock = asyncio.Lock()  # one render-and-load at a time (held across a load)
         self._wake = asyncio.Event()
         self.serving_changed = asyncio.Event()  # set (and replaced) when what serves changes
-        catalog.on_change = self._catalog_changed
 
     # ---- start ---------------------------------------------------------------------------
 
@@ -163,7 +144,17 @@ class Reloads:
                      noop.module)
         return self.catalog.noop is not None
 
-    def _catalog_changed(self) -> None:
+    @property
+    def model(self) -> str:
+        """Triton's vLLM model, as messages name it."""
+        return self._model
+
+    def engine_refused(self) -> None:
+        """The engine refused a name it was given: probe it now rather than at the next tick."""
+        self._wake.set()
+
+    def catalog_changed(self) -> None:
+        """The catalog's `on_change`: something to save, or a plan to free."""
         self._update_gauges()
         self._wake.set()
 
@@ -253,20 +244,10 @@ class Reloads:
         return {"planned": self._plan_view()}
 
     def _plan_compaction(self, reason: CompactionReason, not_before: float | None = None) -> None:
-        if not self.reloads and reason in (CompactionReason.SPARES_LOW, CompactionReason.WINDOW):
-            # The operator reloads Triton: a generation rendered ahead of need would only make
-            # the names handed out differ from the ones the engine loaded.
+        plan = compaction.replan(self._plan, reason, self._clock(), not_before, self.reloads)
+        if plan is None:
             return
-        now = self._clock()
-        at = not_before if not_before is not None else now
-        plan = self._plan
-        if plan is not None and plan.not_before <= at and (
-            reason is not CompactionReason.EXHAUSTED or plan.reason is reason
-        ):
-            return  # one is planned already, no later than this one would be
-        if plan is not None:
-            at = min(at, plan.not_before)  # an adapter now waits: say so, never later
-        self._plan = Plan(reason, now, at)
+        self._plan = plan
         level = logging.INFO if self.reloads or reason is CompactionReason.REQUESTED else (
             logging.DEBUG)
         log.log(level, "catalog: compaction planned (%s)", reason.value,
@@ -274,10 +255,8 @@ class Reloads:
         self._wake.set()
 
     def compact_below(self, generation: Generation) -> int:
-        if self._settings.compact_below is not None:
-            return self._settings.compact_below
-        spares = sum(1 for e in generation.names.values() if e.spare)
-        return max(spares // 8, min(4, spares // 4))
+        return compaction.compact_below(self._settings.compact_below,
+                                        sum(1 for e in generation.names.values() if e.spare))
 
     def _check_spares(self, generation: Generation) -> None:
         if not self.catalog.spares_on:
@@ -285,21 +264,13 @@ class Reloads:
         free = len(generation.free_spares())
         if free > self.compact_below(generation):
             return
-        window = self._settings.compaction_window
-        not_before = None
-        if window is not None and free > 0:
-            # Low but not out: the outage a reload may cost waits for the quiet window.
-            not_before = self._clock() + window.seconds_until_start(self._wall())
-        self._plan_compaction(CompactionReason.SPARES_LOW, not_before)
+        self._plan_compaction(CompactionReason.SPARES_LOW, compaction.spares_low_not_before(
+            free, self._settings.compaction_window, self._clock(), self._wall()))
 
     def _check_window(self) -> None:
-        window = self._settings.compaction_window
-        if window is None or not window.contains(self._wall()):
-            return
-        started = self._clock() - window.seconds_since_start(self._wall())
-        if self._window_done is not None and abs(self._window_done - started) < 60:
-            return  # compacted in this window already
-        if self._dirty():
+        started = compaction.window_started(self._settings.compaction_window, self._clock(),
+                                            self._wall(), self._window_done)
+        if started is not None and self._dirty():
             self._window_done = started
             self._plan_compaction(CompactionReason.WINDOW)
 
@@ -316,34 +287,21 @@ class Reloads:
         return on_disk != current.own_ids()
 
     def spares_wanted(self, own: set[str]) -> int:
-        """Spares for a new generation listing `own` by their own names: what the registry's
-        listing holds beyond them, plus a quarter of it for uploads, within the bounds."""
+        """Spares for a new generation listing `own` by their own names."""
         settings = self._settings
-        if settings.spare_names is not None:
-            return settings.spare_names
-        registry = self._registry_ids()
-        if registry is None:
-            wanted = SPARES_UNKNOWN
-        else:
-            wanted = max(SPARES_MIN, len(registry - own) + len(registry) // 4)
-        return min(wanted, settings.spare_names_max)
+        return compaction.spares_wanted(settings.spare_names, self._registry_ids(), own,
+                                        settings.spare_names_max)
 
     def _compaction_in_s(self) -> float | None:
-        """Seconds until the planned compaction may start; None when none is planned or a
-        load is in progress (it starts after)."""
-        if self._plan is None or self.tracker.state is EngineState.LOADING:
-            return None
-        start = max(self._plan.not_before, self._rate_limit_until())
-        return max(start - self._clock(), 0.0)
+        return compaction.starts_in_s(self._plan, self.tracker.state is EngineState.LOADING,
+                                      self._rate_limit_until(), self._clock())
 
     def _rate_limit_until(self) -> float:
-        last = self.tracker.last_restart_at
-        if last is None or not self.reloads:
+        if not self.reloads:
             return -float("inf")
-        gap_s = self._settings.triton_reload_min_interval_s
-        if self.tracker.last_load_failed:
-            gap_s = max(gap_s, RETRY_AFTER_FAILURE_S)
-        return last + gap_s
+        return compaction.rate_limit_until(self.tracker.last_restart_at,
+                                           self._settings.triton_reload_min_interval_s,
+                                           self.tracker.last_load_failed)
 
     # ---- the background work -------------------------------------------------------------
 
@@ -412,7 +370,7 @@ class Reloads:
     def _serving_may_have_changed(self) -> None:
         self._update_gauges()
         self.serving_changed.set()
-        self.serving_changed = asyncio.Event()
+        self.serving_changed = asyncio.Event()  # a request held for a name waits on it
 
     async def sync(self) -> None:
         """One step: probe Triton, render and (re)load if that is due, retire what is past
@@ -529,8 +487,7 @@ class Reloads:
         if outcome is LoadOutcome.OK:
             self._last_reload_at = self._wall()
             await self.catalog.mark_loaded(number)
-            if self._plan is not None and self._plan.reason in (CompactionReason.EXHAUSTED,
-                                                                CompactionReason.SPARES_LOW):
+            if self._plan is not None and self._plan.reason in compaction.SETTLED_BY_A_LOAD:
                 self._plan = None  # the generation now serving has fresh spares
                 self._check_spares(generation)
             self._metrics.triton_reloads.labels(outcome="ok").inc()
@@ -567,7 +524,7 @@ class Reloads:
         generation = await catalog.render(versions, spares, self._disk.digest_of)
         if reason is not None:
             self._metrics.catalog_compactions.labels(reason=reason.value).inc()
-        self._update_gauges()
+        self._serving_may_have_changed()  # without reloads, the rendered generation names
         spare_count = sum(1 for e in generation.names.values() if e.spare)
         log.info("catalog: generation %d lists %d adapters and %d spare names (%s)",
                  generation.number, len(generation.names) - spare_count, spare_count,

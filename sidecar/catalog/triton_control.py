@@ -18,8 +18,6 @@ from .engine_state import Probe
 # A vLLM engine can take minutes to load (weights, CUDA graphs); Triton answers the load
 # request only once the new instance is ready.
 TRITON_LOAD_TIMEOUT_S = 1800.0
-# A probe is a status read: a Triton that takes longer is not answering.
-PROBE_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 5.0
 _ANSWER_LIMIT_BYTES = 1024 * 1024
 
@@ -45,7 +43,7 @@ class TritonControl:
     http_proxy/HTTPS_PROXY are ignored (aiohttp's default), Triton is a neighbour."""
 
     def __init__(self, url: str, *, load_timeout_s: float = TRITON_LOAD_TIMEOUT_S,
-                 probe_timeout_s: float = PROBE_TIMEOUT_S) -> None:
+                 probe_timeout_s: float) -> None:
         self._url = url.rstrip("/")
         self._shown = hide_password(self._url)
         self._load_timeout_s = load_timeout_s

@@ -1,4 +1,6 @@
-"""The sidecar's error vocabulary: every failure a caller can see, with a stable code.
+"""The sidecar's error vocabulary: every failure a caller can see, with a stable code, and what
+a client of the router should see of it (the Triton status, the message, whether asking again
+can help), so that nothing on the far side of the wire keeps a copy of this ladder.
 
 `web/api.py` maps each class to an HTTP status in one table; the `code` is what clients match on.
 """
@@ -9,11 +11,22 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+# The Triton statuses (names of the Python backend's TritonError codes) a client can see.
+# UNAVAILABLE is the one a routing proxy retries on another node, so it is kept for what another
+# node, or this one later, can help with; what is wrong with the adapter or the request itself
+# is never UNAVAILABLE, since every node would answer the same.
+NOT_FOUND = "NOT_FOUND"
+INVALID_ARG = "INVALID_ARG"
+UNAVAILABLE = "UNAVAILABLE"
+INTERNAL = "INTERNAL"  # the deployment, not the request: credentials, tokens, a wrong URL
+
 
 class SidecarError(Exception):
     """Base of every error the sidecar raises on purpose."""
 
     code = "internal_error"
+    triton_status = INTERNAL
+    retry_helps = False  # whether asking again (later, or another node) can help
 
     def __init__(self, message: str, *, adapter_id: str | None = None) -> None:
         super().__init__(message)
@@ -28,10 +41,16 @@ class SidecarError(Exception):
         if self.adapter_id is not None:
             body["adapter_id"] = self.adapter_id
         body.update(self.extra())
+        body.update(triton_status=self.triton_status, triton_message=self.client_message(),
+                    retryable=self.retry_helps)
         return body
 
     def extra(self) -> Mapping[str, Any]:
         return {}
+
+    def client_message(self) -> str:
+        """What a client of the router reads: the message, with the code to match on."""
+        return f"{self.message} ({self.code})"
 
 
 class ConfigError(Exception):
@@ -48,10 +67,12 @@ class BadRequest(SidecarError):
     """The request itself is malformed: not JSON, wrong fields, wrong types."""
 
     code = "invalid_request"
+    triton_status = INVALID_ARG
 
 
 class InvalidAdapterId(SidecarError):
     code = "invalid_adapter_id"
+    triton_status = INVALID_ARG
 
 
 class Unauthorized(SidecarError):
@@ -69,6 +90,7 @@ class AdapterNotFound(SidecarError):
     """The registry has no adapter under this id."""
 
     code = "adapter_not_found"
+    triton_status = NOT_FOUND
 
 
 class NotCached(SidecarError):
@@ -99,6 +121,7 @@ class InvalidAdapter(SidecarError):
     """Validation refused the adapter; `problems` lists every reason found."""
 
     code = "invalid_adapter"
+    triton_status = INVALID_ARG
 
     def __init__(self, adapter_id: str, problems: Sequence[Mapping[str, str]], *,
                  remembered: bool = False, refused_at: str | None = None,
@@ -131,11 +154,19 @@ class InvalidAdapter(SidecarError):
         return {"problems": self.problems, "remembered": self.remembered,
                 "refused_at": self.refused_at, "remembered_until": self.remembered_until}
 
+    def client_message(self) -> str:
+        """Every problem, each with its code (`rank_too_large`, ...)."""
+        listed = "; ".join(f"{p.get('file', '?')}: {p.get('message', '?')} [{p.get('code', '?')}]"
+                           for p in self.problems)
+        return f"adapter {self.adapter_id} was refused by validation: {listed} ({self.code})"
+
 
 class RegistryUnavailable(SidecarError):
     """The registry could not be reached or did not answer in time (retryable)."""
 
     code = "registry_unavailable"
+    triton_status = UNAVAILABLE
+    retry_helps = True
 
     def __init__(self, message: str, *, adapter_id: str | None = None, cause: str = "unknown",
                  retryable: bool = True):
@@ -145,6 +176,9 @@ class RegistryUnavailable(SidecarError):
 
     def extra(self) -> Mapping[str, Any]:
         return {"cause": self.cause}
+
+    def client_message(self) -> str:
+        return f"{self.message} [cause: {self.cause}] ({self.code})"
 
 
 class RegistryTransient(RegistryUnavailable):
@@ -167,17 +201,24 @@ class RegistryError(SidecarError):
     def extra(self) -> Mapping[str, Any]:
         return {"cause": self.cause}
 
+    def client_message(self) -> str:
+        return f"{self.message} [cause: {self.cause}] ({self.code})"
+
 
 class RegistryObjectChanged(RegistryError):
     """An object changed between listing and fetch (etag or size moved under us)."""
 
     code = "registry_object_changed"
+    triton_status = UNAVAILABLE
+    retry_helps = True
 
 
 class StageTimeout(SidecarError):
     """The caller's `timeout_s` ran out; the download may go on for other callers."""
 
     code = "stage_timeout"
+    triton_status = UNAVAILABLE
+    retry_helps = True
 
 
 class CacheFull(SidecarError):
@@ -185,25 +226,29 @@ class CacheFull(SidecarError):
     when waiting cannot help (larger than the budget, or the room is held by pins)."""
 
     code = "cache_full"
+    triton_status = UNAVAILABLE
 
     def __init__(self, message: str, *, adapter_id: str | None = None, retryable: bool = True):
         super().__init__(message, adapter_id=adapter_id)
         self.retryable = retryable
+        self.retry_helps = retryable
 
-    def extra(self) -> Mapping[str, Any]:
-        return {"retryable": self.retryable}
 
 
 class CatalogPending(SidecarError):
     """Staged, but the model server has not loaded a catalog that lists this adapter yet."""
 
     code = "catalog_pending"
+    triton_status = UNAVAILABLE
+    retry_helps = True
 
 
 class CatalogReloading(SidecarError):
     """The model server is reloading its catalog; the adapter will be servable after it."""
 
     code = "catalog_reloading"
+    triton_status = UNAVAILABLE
+    retry_helps = True
 
 
 class CatalogDisabled(SidecarError):
@@ -216,10 +261,51 @@ class CacheUnwritable(SidecarError):
     """The cache volume refuses writes (read-only, permissions)."""
 
     code = "cache_not_writable"
+    triton_status = UNAVAILABLE  # another node can help
 
 
 class NotReady(SidecarError):
     code = "not_ready"
+    triton_status = UNAVAILABLE
+    retry_helps = True
+
+
+class EngineUnavailable(SidecarError):
+    """The engine refused a name it was given, and what refused it will end: a reload, a
+    catalog not loaded yet, an engine being restarted."""
+
+    code = "engine_unavailable"
+    triton_status = UNAVAILABLE
+    retry_helps = True
+
+
+class EngineFailed(SidecarError):
+    """The engine failed on the request itself: asking again is answered the same."""
+
+    code = "engine_failed"
+
+
+# What the HTTP layer itself refuses, before any handler runs.
+
+
+class NoSuchEndpoint(SidecarError):
+    code = "not_found"
+
+
+class MethodNotAllowed(SidecarError):
+    code = "method_not_allowed"
+
+
+class RequestTimeout(SidecarError):
+    """The request body did not arrive in time."""
+
+    code = "request_timeout"
+    triton_status = UNAVAILABLE
+    retry_helps = True
+
+
+class RequestTooLarge(SidecarError):
+    code = "request_too_large"
 
 
 class CacheOwned(Exception):

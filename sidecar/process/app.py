@@ -21,12 +21,7 @@ from ..cache.lease_sweep import sweep_leases
 from ..cache.ownership import CacheLock
 from ..cache.recovery import recover
 from ..cache.refusals import RELIST_REFUSED_S
-from ..cache.stager import Stager
-from ..cache.store import AdapterStore
 from ..cache.watcher import Watcher
-from ..catalog.catalog import Catalog
-from ..catalog.naming import Naming, StoreView
-from ..catalog.reloads import Reloads
 from ..config import Settings
 from ..core.errors import CacheOwned, ConfigError, SidecarError
 from ..core.exits import EXIT_CACHE_OWNED, EXIT_FAILED, EXIT_OK
@@ -44,6 +39,7 @@ from ..web.api import READ_ONLY_ROUTES, Services, build_web_app
 from ..web.epp import AdapterSet, EppExporter
 from ..web.server import SHUTDOWN_GRACE_S, quiet_bad_requests, serve_http
 from ..web.tenants import NO_TENANTS, Tenants
+from .core import build_core
 from .preflight import configuration_problems
 from .seed import REPOSITORY_DIR, seed_model_repository
 
@@ -86,21 +82,6 @@ class Sidecar:
         self._disk_full: str | None = None  # why no new adapter fits the cache volume
         self.rules = Rules.from_settings(settings)
         self.tenants = _load_tenants(settings.tenants_file)
-        # The catalog first: the store tells it of every folder that leaves adapters/.
-        self.catalog = Catalog(settings.cache_root, settings.triton_root, self.rules,
-                               self.metrics, lease_ttl_s=settings.lease_ttl_s,
-                               spares_wanted=settings.spare_names != 0)
-        self.store = AdapterStore(
-            settings.cache_root,
-            max_bytes=settings.max_bytes,
-            max_adapters=settings.max_adapters,
-            min_free_bytes=settings.min_free_bytes,
-            lease_ttl_s=settings.lease_ttl_s,
-            max_leases=settings.max_leases,
-            pinned=settings.pin,
-            metrics=self.metrics,
-            listener=self.catalog,
-        )
         policy = TransferPolicy(
             part_size_bytes=settings.part_size_bytes,
             attempts=DEFAULT_ATTEMPTS,  # a kind with a setting of its own sets it (S3)
@@ -112,16 +93,15 @@ class Sidecar:
         self.registry: AdapterRegistry = open_registry(
             settings, policy, self._count_registry_error,
             self.metrics.registry_skipped_folders.set)
-        self.stager = Stager(
-            self.store,
-            self.registry,
-            self.rules,
-            self.metrics,
-            refusal_ttl_s=settings.refusal_ttl_s,
-            not_found_ttl_s=settings.not_found_ttl_s,
-            upload_settle_s=settings.upload_settle_s,
-            on_registry_result=self._note_registry_result,
-        )
+        # The listing reads the store when it runs, after the core is built.
+        self.registry_listing = RegistryListing(
+            self.registry, settings.catalog_refresh_s,
+            lambda: (adapter.adapter_id for adapter in self.store.adapters()))
+        core = build_core(settings, self.rules, self.metrics, self.registry,
+                          registry_ids=self.registry_listing.ids,
+                          on_registry_result=self._note_registry_result)
+        self.catalog, self.store, self.stager = core.catalog, core.store, core.stager
+        self.reloads, self.naming = core.reloads, core.naming
         store, stager = self.store, self.stager
         self.metrics.watch(
             cache_bytes=lambda: store.total_bytes,
@@ -134,13 +114,6 @@ class Sidecar:
             cache_room_bytes=store.room_bytes,
             waiting_for_room=lambda: store.waiting_for_room,
         )
-        self.registry_listing = RegistryListing(
-            self.registry, settings.catalog_refresh_s,
-            lambda: (adapter.adapter_id for adapter in self.store.adapters()))
-        self.reloads = Reloads(settings, self.catalog, self.metrics,
-                               StoreView(self.store, settings.allowed_target_modules),
-                               registry_ids=self.registry_listing.ids)
-        self.naming = Naming(self.catalog, self.reloads, self.stager, self.store, self.metrics)
         self.watcher = Watcher(self.store, self.rules, self.metrics)
         self._tasks: set[asyncio.Task[None]] = set()
         self._runner: web.AppRunner | None = None

@@ -19,13 +19,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..config import Settings
 from ..core.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from ..core.ids import is_valid_adapter_id
 from ..core.options import Option, options_of
 from ..core.units import format_size
 from ..validation.options import ValidationOptions
 
-DEFAULT_URL = "http://127.0.0.1:8500"
+_SERVED = {declared.field: declared.default for declared in options_of(Settings)}
+DEFAULT_URL = f"http://{_SERVED['host']}:{_SERVED['port']}"  # where `serve` listens by default
 Handler = Callable[[argparse.Namespace], int]
 
 

@@ -19,6 +19,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from ..cache.lru import CachedAdapter
 from ..cache.stager import Stager
 from ..cache.store import AdapterStore
+from ..catalog.engine_refusal import EngineRefusal
 from ..catalog.naming import Named
 from ..config import Settings
 from ..core.errors import (
@@ -30,15 +31,21 @@ from ..core.errors import (
     CatalogDisabled,
     CatalogPending,
     CatalogReloading,
+    EngineFailed,
+    EngineUnavailable,
     Forbidden,
     InvalidAdapter,
     InvalidAdapterId,
     LeaseNotFound,
+    MethodNotAllowed,
+    NoSuchEndpoint,
     NotCached,
     NotReady,
     RegistryError,
     RegistryObjectChanged,
     RegistryUnavailable,
+    RequestTimeout,
+    RequestTooLarge,
     SidecarError,
     StageTimeout,
     Unauthorized,
@@ -59,26 +66,30 @@ STATUS: dict[type[SidecarError], int] = {
     AdapterNotFound: 404,
     NotCached: 404,
     LeaseNotFound: 404,
+    NoSuchEndpoint: 404,
+    MethodNotAllowed: 405,
+    RequestTimeout: 408,
     AdapterInUse: 409,
     CatalogDisabled: 409,
+    RequestTooLarge: 413,
     InvalidAdapter: 422,
+    EngineFailed: 502,
     RegistryObjectChanged: 502,
     RegistryError: 502,
     RegistryUnavailable: 503,
     CatalogPending: 503,
     CatalogReloading: 503,
     CacheUnwritable: 503,
+    EngineUnavailable: 503,
     NotReady: 503,
     StageTimeout: 504,
     CacheFull: 507,
 }
 
-_HTTP_CODES = {
-    400: "invalid_request",
-    404: "not_found",
-    405: "method_not_allowed",
-    408: "request_timeout",
-    413: "request_too_large",
+# What aiohttp's own refusals become (a status it answers that is not here: internal_error).
+_HTTP_ERRORS: dict[int, type[SidecarError]] = {
+    400: BadRequest, 404: NoSuchEndpoint, 405: MethodNotAllowed, 408: RequestTimeout,
+    413: RequestTooLarge,
 }
 # A request body (at most --max-request-bytes, from a local caller) that has not fully arrived
 # by then never will: the handler stops waiting rather than hold its task open.
@@ -112,7 +123,8 @@ class CatalogView(Protocol):
 
 
 class StageAndName(Protocol):
-    async def stage(self, adapter_id: str, *, timeout_s: float, lease: bool) -> Named: ...
+    async def stage(self, adapter_id: str, *, timeout_s: float, lease: bool, hold_s: float,
+                    refused: EngineRefusal | None) -> Named: ...
 
 
 @dataclass(slots=True)
@@ -148,7 +160,8 @@ STAGE_FRAGMENTS_MAX = 4096  # encoded /stage answers kept, one per adapter id
 # ---- request parsing -------------------------------------------------------------------
 
 _FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
-    "stage": {"adapter_id": (str,), "timeout_s": (int, float), "lease": (bool,)},
+    "stage": {"adapter_id": (str,), "timeout_s": (int, float), "lease": (bool,),
+              "hold_s": (int, float), "engine_refused": (dict, type(None))},
     "release": {"lease_id": (str,)},
     "evict": {"adapter_id": (str,), "force": (bool,)},
     "pin": {"adapter_id": (str,), "timeout_s": (int, float)},
@@ -207,6 +220,9 @@ async def _body(request: web.Request, kind: str) -> dict[str, Any]:
     timeout = body.get("timeout_s")
     if timeout is not None and not 0 < timeout <= 24 * 3600:
         raise BadRequest("timeout_s must be greater than 0 and at most 86400")
+    hold = body.get("hold_s")
+    if hold is not None and not 0 <= hold <= 24 * 3600:
+        raise BadRequest("hold_s must be 0 or more and at most 86400")
     return body
 
 
@@ -354,8 +370,11 @@ async def stage(request: web.Request) -> web.Response:
     adapter_id = check_adapter_id(body["adapter_id"])
     _in_scope(request, caller, "stage", adapter_id)
     await _recovered(services, _stage_timeout(services, body))
+    refused = body.get("engine_refused")
     named = await services.naming.stage(
-        adapter_id, timeout_s=_stage_timeout(services, body), lease=body.get("lease", True))
+        adapter_id, timeout_s=_stage_timeout(services, body), lease=body.get("lease", True),
+        hold_s=float(body.get("hold_s", 0.0)),
+        refused=None if refused is None else EngineRefusal.from_json(refused))
     return web.Response(text=_stage_json(services, named), content_type="application/json")
 
 
@@ -468,7 +487,8 @@ async def metrics(request: web.Request) -> web.StreamResponse:
 async def metrics_epp(request: web.Request) -> web.Response:
     exporter = _services(request).epp
     if exporter is None:
-        return _http_error(404, "/metrics/epp is off; start the sidecar with --epp-metrics true")
+        return _error(NoSuchEndpoint("/metrics/epp is off; start the sidecar with "
+                                     "--epp-metrics true"))
     return web.Response(body=exporter.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -510,7 +530,7 @@ def json_errors(handler: Handler) -> Handler:
             if status >= 500 and not exc.logged:
                 log.warning("%s %s -> %d %s: %s", request.method, request.path, status,
                             exc.code, exc.message)
-            return web.json_response(exc.to_json(), status=status)
+            return _error(exc)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -518,30 +538,26 @@ def json_errors(handler: Handler) -> Handler:
             if exc.status == 413:
                 limit = request.app[SERVICES].settings.max_request_bytes
                 message = f"the request body is larger than {limit} bytes"
-            return _http_error(exc.status, message)
+            return _error(_HTTP_ERRORS.get(exc.status, SidecarError)(message), exc.status)
         except Exception:
             log.exception("unexpected error in %s %s", request.method, request.path)
-            return web.json_response(
-                {"error": "internal_error", "message": "unexpected error; see the sidecar's log"},
-                status=500,
-            )
+            return _error(SidecarError("unexpected error; see the sidecar's log"))
 
     return handle
 
 
-def _http_error(status: int, message: str) -> web.Response:
-    return web.json_response(
-        {"error": _HTTP_CODES.get(status, "http_error"), "message": message}, status=status
-    )
+def _error(error: SidecarError, status: int | None = None) -> web.Response:
+    return web.json_response(error.to_json(), status=status or status_of(error))
 
 
 async def _not_found(request: web.Request) -> web.Response:
-    return _http_error(404, f"no such endpoint: {request.path[:200]}")
+    return _error(NoSuchEndpoint(f"no such endpoint: {request.path[:200]}"))
 
 
 def _method_not_allowed(allowed: str) -> Handler:
     async def refuse(request: web.Request) -> web.Response:
-        response = _http_error(405, f"{request.method[:20]} is not allowed here; use {allowed}")
+        response = _error(MethodNotAllowed(
+            f"{request.method[:20]} is not allowed here; use {allowed}"))
         response.headers["Allow"] = allowed
         return response
 

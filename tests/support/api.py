@@ -63,7 +63,7 @@ async def readiness(http: aiohttp.ClientSession, base_url: str, *, status: int |
 
 def api_error_codes() -> dict[str, int]:
     """Every code the API answers: each SidecarError (raised by the stager, the store, the
-    catalog, or built by /readyz) with its status, and the HTTP layer's own codes."""
+    catalog, the HTTP layer, or built by /readyz) with its status."""
     codes: dict[str, int] = {}
     pending: list[type[errors.SidecarError]] = [errors.SidecarError]
     while pending:
@@ -71,6 +71,4 @@ def api_error_codes() -> dict[str, int]:
         pending.extend(cls.__subclasses__())
         codes[cls.code] = api.STATUS.get(cls) or next(
             (api.STATUS[base] for base in cls.__mro__ if base in api.STATUS), 500)
-    for status, code in api._HTTP_CODES.items():
-        codes.setdefault(code, status)
     return codes

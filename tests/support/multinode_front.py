@@ -24,8 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "triton_repo" / "mu
                        / "1"))
 import routing
 
-HTTP_STATUS = {routing.Status.UNAVAILABLE: 503, routing.Status.NOT_FOUND: 404,
-               routing.Status.INVALID_ARG: 400, routing.Status.INTERNAL: 500}
+HTTP_STATUS = {"UNAVAILABLE": 503, "NOT_FOUND": 404, "INVALID_ARG": 400, "INTERNAL": 500}
 INFER_PATH = "/v2/models/multilora_router/infer"
 
 
@@ -105,7 +104,8 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     host, port = args.listen.rsplit(":", 1)
     server = _Front((host, int(port)), _Handler)
-    server.sidecar = routing.SidecarClient(routing.RouterSettings(sidecar_url=args.sidecar))
+    server.sidecar = routing.SidecarClient(routing.RouterSettings(sidecar_url=args.sidecar,
+                                                                hold_s=0.0))
     server.adapters_dir = args.cache_root / "adapters"
     server.name = args.name
     server.generate_s = args.generate_s

@@ -1,4 +1,4 @@
-"""router_settings.py: the router's config.pbtxt parameters and the container's overrides."""
+"""routing.py's settings: the router's config.pbtxt parameters and the container's overrides."""
 
 from __future__ import annotations
 
@@ -8,24 +8,29 @@ import pytest
 
 from tests.triton.harness import ROUTER, TRITON_REPO, import_router
 
-RouterSettings = import_router("router_settings").RouterSettings
-requested_adapter_id = import_router("router_request").requested_adapter_id
+RouterSettings = import_router().RouterSettings
+requested_adapter_id = import_router().requested_adapter_id
+
+
+def from_parameters(parameters: dict[str, str]) -> object:
+    return RouterSettings.from_deployment(parameters, {})
 
 
 def test_settings_default_to_the_checked_in_config() -> None:
     config = (TRITON_REPO / ROUTER / "config.pbtxt").read_text()
-    settings = RouterSettings.from_parameters({})
+    settings = from_parameters({})
 
     for key, value in (("sidecar_url", settings.sidecar_url),
                        ("stage_timeout_s", f"{settings.stage_timeout_s:g}"),
                        ("sidecar_timeout_s", f"{settings.sidecar_timeout_s:g}"),
+                       ("hold_s", f"{settings.hold_s:g}"),
                        ("vllm_model", settings.vllm_model)):
         assert f'key: "{key}"\n  value: {{ string_value: "{value}" }}' in config
 
 
 def test_settings_gather_every_problem(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as caught:
-        RouterSettings.from_parameters({
+        from_parameters({
             "sidecar_url": "localhost:8500", "stage_timeout_s": "soon",
             "sidecar_timeout_s": "-1", "sidecar_api_token_file": str(tmp_path / "missing"),
         })
@@ -56,12 +61,12 @@ def test_the_containers_environment_overrides_the_parameters(tmp_path: Path) -> 
 
 
 def test_the_header_name_is_a_parameter() -> None:
-    settings = RouterSettings.from_parameters({"adapter_id_header": "X-Tenant-Adapter"})
+    settings = from_parameters({"adapter_id_header": "X-Tenant-Adapter"})
 
     assert settings.adapter_id_header == "x-tenant-adapter"
     assert requested_adapter_id(None, '{"x-tenant-adapter": "t1"}',
                                 settings.adapter_id_header) == "t1"
     with pytest.raises(ValueError, match="adapter_id_header"):
-        RouterSettings.from_parameters({"adapter_id_header": "bad header"})
+        from_parameters({"adapter_id_header": "bad header"})
     with pytest.raises(ValueError, match="max_concurrent_requests"):
-        RouterSettings.from_parameters({"max_concurrent_requests": "0"})
+        from_parameters({"max_concurrent_requests": "0"})

@@ -72,7 +72,7 @@ def test_the_store_trims_itself_when_a_release_or_an_unclaim_frees_room(tmp_path
     clock = Clock()
     store = AdapterStore(tmp_path, max_bytes=10**9, max_adapters=1, min_free_bytes=0,
                          lease_ttl_s=60.0, metrics=Metrics(CollectorRegistry(), process=False),
-                         clock=clock, monotonic=clock)
+                         max_leases=100, clock=clock, monotonic=clock)
     store.prepare()
     for adapter_id in ("a", "b", "c"):
         (tmp_path / "adapters" / adapter_id).mkdir()
