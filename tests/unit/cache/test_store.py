@@ -98,7 +98,8 @@ def test_the_store_trims_itself_when_a_release_or_an_unclaim_frees_room(tmp_path
 def leased_store(tmp_path: Path, clock: Clock) -> tuple[AdapterStore, str]:
     """A store of one adapter in a budget of one, that adapter leased: no room for another."""
     store = AdapterStore(tmp_path, max_bytes=10**9, max_adapters=1, min_free_bytes=0,
-                         lease_ttl_s=60.0, metrics=Metrics(CollectorRegistry(), process=False),
+                         lease_ttl_s=60.0, max_leases=100,
+                         metrics=Metrics(CollectorRegistry(), process=False),
                          clock=clock, monotonic=clock)
     store.prepare()
     (tmp_path / "adapters" / "a").mkdir()
