@@ -27,8 +27,8 @@ SERVE_SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "lease_ttl_s", "max_leases", "stage_timeout_s", "refusal_ttl_s", "not_found_ttl_s",
         "upload_settle_s")),
     ("validation, what the engine can serve", (
-        "max_lora_rank", "allowed_target_modules", "base_model", "base_model_config",
-        "signing_policy")),
+        "engine_config", "max_lora_rank", "allowed_target_modules", "base_model",
+        "base_model_config", "signing_policy")),
     ("the catalog of names vLLM knows, and Triton's reloads", (
         "catalog_refresh_s", "spare_names", "spare_names_max", "compact_below",
         "compaction_window", "triton_url",

@@ -42,7 +42,8 @@ from .core.options import (
 )
 from .core.units import format_size, parse_size
 from .registry.kinds import RegistryOptions
-from .validation.options import ValidationOptions
+from .validation.engine_config import EngineConfig
+from .validation.options import ValidationOptions, take_engine_limits
 
 
 class TritonReload(Enum):
@@ -293,6 +294,7 @@ class Settings(ValidationOptions, RegistryOptions):
         if not problems:
             if parsed["api_token_file"] is not None and parsed["api_token"] is None:
                 parsed["api_token"] = _read_token(parsed["api_token_file"], problems)
+            problems.extend(take_engine_limits(parsed, set(values)))
             problems.extend(_check(parsed))
         if problems:
             raise ConfigError(problems)
@@ -311,6 +313,8 @@ class Settings(ValidationOptions, RegistryOptions):
                 value = format_size(value)
             elif isinstance(value, Path):
                 value = str(value)
+            elif isinstance(value, EngineConfig):
+                value = str(value.path)
             elif isinstance(value, CompactionWindow):
                 value = value.text
             elif isinstance(value, str):

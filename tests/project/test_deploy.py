@@ -81,6 +81,8 @@ def sidecar_env(docs: list[dict[str, Any]]) -> dict[str, str]:
 
 
 BASE_MODEL_CONFIG = "LORA_SIDECAR_BASE_MODEL_CONFIG"
+ENGINE_CONFIG = "LORA_SIDECAR_ENGINE_CONFIG"
+IMAGE_REPOSITORY = "/opt/lora-sidecar/triton_repo"  # the Dockerfile's copy of triton_repo/
 
 
 def sidecar_settings(env: dict[str, str]) -> Settings:
@@ -88,7 +90,11 @@ def sidecar_settings(env: dict[str, str]) -> Settings:
     valid), but for the base model's config.json, a file of the pod's base-model volume that
     does not exist here (test_the_cache_volume_is_where_the_sidecars_settings_say checks its
     mount)."""
-    return Settings.from_env({k: v for k, v in env.items() if k != BASE_MODEL_CONFIG})
+    env = {k: v for k, v in env.items() if k != BASE_MODEL_CONFIG}
+    if ENGINE_CONFIG in env:  # a file of the image: this checkout's copy
+        env[ENGINE_CONFIG] = env[ENGINE_CONFIG].replace(IMAGE_REPOSITORY,
+                                                        str(REPO / "triton_repo"))
+    return Settings.from_env(env)
 
 
 def test_there_is_a_base_and_the_routing_overlays() -> None:
@@ -381,3 +387,25 @@ def test_the_llm_d_overlay_labels_the_engine_and_turns_on_the_epp_metrics(
     # Nothing else changed: the base's settings are all still there.
     assert sidecar_env(docs).keys() - {"LORA_SIDECAR_EPP_METRICS"} == sidecar_env(
         rendered["base"]).keys()
+
+
+def test_the_engines_limits_are_read_from_the_model_json_triton_is_seeded_with(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    """One place for an engine limit: the sidecar reads the model.json of the repository it
+    seeds Triton's from, and no overlay sets a rank of its own beside it."""
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert f"COPY triton_repo {IMAGE_REPOSITORY}" in dockerfile
+    engine = yaml.safe_load((REPO / "triton_repo" / "vllm_model" / "1" / "model.json").read_text())
+    for overlay, docs in rendered.items():
+        env = sidecar_env(docs)
+        assert env[ENGINE_CONFIG].startswith(env["LORA_SIDECAR_SEED_MODEL_REPOSITORY"] + "/"), \
+            overlay
+        assert "LORA_SIDECAR_MAX_LORA_RANK" not in env, overlay
+        settings = sidecar_settings(env)
+        assert settings.max_lora_rank == engine["max_lora_rank"], overlay
+        assert settings.engine_config is not None
+        assert settings.engine_config.max_loras == engine["max_loras"], overlay
+        # the base model's folder the engine loads is the one mounted into the sidecar
+        mounts = {m["mountPath"] for m in container(pod_of(docs), "lora-sidecar")["volumeMounts"]}
+        assert engine["model"] in mounts, overlay
