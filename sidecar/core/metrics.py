@@ -25,7 +25,7 @@ from .version import build_info
 
 # No `_created` series beside each counter and histogram: a second series per metric that
 # dashboards never read (prometheus_client's switch is process-wide).
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]  # (unannotated upstream)
 
 # Every series of a labelled metric exists from the first scrape, at 0, for the label values
 # known in advance (a dashboard then shows 0, not "no data"). The catalog's states are its
