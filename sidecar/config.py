@@ -294,6 +294,8 @@ class Settings(ValidationOptions, RegistryOptions):
         if not problems:
             if parsed["api_token_file"] is not None and parsed["api_token"] is None:
                 parsed["api_token"] = _read_token(parsed["api_token_file"], problems)
+            if parsed["engine_config"] is None and parsed["seed_model_repository"] is not None:
+                parsed["engine_config"] = _seeded_engine_config(parsed, problems)
             problems.extend(take_engine_limits(parsed, set(values)))
             problems.extend(_check(parsed))
         if problems:
@@ -357,6 +359,20 @@ def _read_token(path: Path, problems: list[str]) -> str | None:
     if not token:
         problems.append(f"--api-token-file {path}: the file is empty")
     return token or None
+
+
+def _seeded_engine_config(parsed: Mapping[str, Any], problems: list[str]) -> EngineConfig | None:
+    """The model.json of the vLLM model in the repository Triton is seeded from: the file the
+    engine will read, so its limits are the sidecar's without being named twice."""
+    path = parsed["seed_model_repository"] / parsed["triton_model"] / "1" / "model.json"
+    if not path.is_file():
+        return None
+    try:
+        return EngineConfig.load(path)
+    except ValueError as exc:
+        problems.append(f"--engine-config (LORA_SIDECAR_ENGINE_CONFIG), from "
+                        f"--seed-model-repository: {exc}")
+        return None
 
 
 def _check(p: Mapping[str, Any]) -> Iterable[str]:

@@ -63,7 +63,9 @@ class ValidationOptions:
         "--engine-config", parse_engine_config, "",
         "the vLLM model's model.json (triton_repo/vllm_model/1/model.json, the file the engine "
         "reads): max_lora_rank and the base model's folder are taken from it, so a limit is "
-        "changed in that one place", "FILE")
+        "changed in that one place", "FILE",
+        default_text="the vLLM model's model.json in --seed-model-repository, when there is "
+        "one; else none")
     max_lora_rank: int = option(
         "--max-lora-rank", at_least(parse_int, 1, "at least 1"), "16",
         "largest LoRA rank the served engine accepts (vLLM's max_lora_rank); with "

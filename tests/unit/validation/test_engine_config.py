@@ -142,3 +142,24 @@ def test_the_checked_in_engine_configs_are_read_as_the_engine_reads_them() -> No
         assert settings.max_lora_rank == engine["max_lora_rank"]
         assert settings.engine_config.max_loras == engine["max_loras"]
         assert settings.engine_config.max_cpu_loras == engine["max_cpu_loras"]
+
+
+def test_the_seeded_repository_gives_the_engine_config_when_none_is_named(
+    tmp_path: Path,
+) -> None:
+    """With --seed-model-repository (Kubernetes: the image's triton_repo), the vLLM model's
+    model.json in it is the engine's file: its rank is taken, a disagreeing one refused."""
+    template = tmp_path / "triton_repo"
+    (template / "vllm_model" / "1").mkdir(parents=True)
+    model_json(template / "vllm_model" / "1", max_lora_rank=64)
+    seeded = Settings.from_values({"seed_model_repository": str(template)})
+    assert seeded.engine_config is not None and seeded.max_lora_rank == 64
+    with pytest.raises(ConfigError) as raised:
+        Settings.from_values({"seed_model_repository": str(template), "max_lora_rank": "16"})
+    assert "max_lora_rank 64 in" in raised.value.message
+    named = model_json(tmp_path, max_lora_rank=32)  # a file named explicitly wins
+    both = Settings.from_values({"seed_model_repository": str(template),
+                                 "engine_config": str(named)})
+    assert both.max_lora_rank == 32
+    assert Settings.from_values({"seed_model_repository": str(tmp_path / "empty")}
+                                ).engine_config is None  # no such file there: none
