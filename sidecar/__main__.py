@@ -5,6 +5,7 @@ on local folders (`validate`, `examples`). Fatal errors become exit codes here a
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -27,8 +28,8 @@ SERVE_SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "lease_ttl_s", "max_leases", "stage_timeout_s", "refusal_ttl_s", "not_found_ttl_s",
         "upload_settle_s")),
     ("validation, what the engine can serve", (
-        "max_lora_rank", "allowed_target_modules", "base_model", "base_model_config",
-        "signing_policy")),
+        "engine_config", "max_lora_rank", "allowed_target_modules", "base_model",
+        "base_model_config", "signing_policy")),
     ("the catalog of names vLLM knows, and Triton's reloads", (
         "catalog_refresh_s", "spare_names", "spare_names_max", "compact_below",
         "compaction_window", "triton_url",
@@ -143,8 +144,27 @@ def _names(error: ConfigError, field_name: str) -> bool:
     return any(problem.startswith(f"{flag} ") for problem in error.problems)
 
 
+def parse_command_line(parser: argparse.ArgumentParser,
+                       argv: Sequence[str] | None) -> argparse.Namespace:
+    """parse_args, but an unknown option is refused by its command's own parser (its usage,
+    not the top level's), with the nearest option it has as a suggestion."""
+    args, unknown = parser.parse_known_args(argv)
+    if not unknown:
+        return args
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command: argparse.ArgumentParser = commands.choices[args.command]
+    known = [flag for action in command._actions for flag in action.option_strings]
+    hint = ""
+    first = next((u for u in unknown if u.startswith("-")), None)
+    if first is not None:
+        close = difflib.get_close_matches(first.partition("=")[0], known, n=1, cutoff=0.6)
+        if close:
+            hint = f"; did you mean {close[0]}?"
+    command.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(build_parser(), argv)
     if args.command == "serve":
         try:
             settings = settings_from(args, os.environ)

@@ -42,7 +42,8 @@ from .core.options import (
 )
 from .core.units import format_size, parse_size
 from .registry.kinds import RegistryOptions
-from .validation.options import ValidationOptions
+from .validation.engine_config import EngineConfig
+from .validation.options import ValidationOptions, take_engine_limits
 
 
 class TritonReload(Enum):
@@ -298,6 +299,9 @@ class Settings(ValidationOptions, RegistryOptions):
         if not problems:
             if parsed["api_token_file"] is not None and parsed["api_token"] is None:
                 parsed["api_token"] = _read_token(parsed["api_token_file"], problems)
+            if parsed["engine_config"] is None and parsed["seed_model_repository"] is not None:
+                parsed["engine_config"] = _seeded_engine_config(parsed, problems)
+            problems.extend(take_engine_limits(parsed, set(values)))
             problems.extend(_check(parsed))
         if problems:
             raise ConfigError(problems)
@@ -316,6 +320,8 @@ class Settings(ValidationOptions, RegistryOptions):
                 value = format_size(value)
             elif isinstance(value, Path):
                 value = str(value)
+            elif isinstance(value, EngineConfig):
+                value = str(value.path)
             elif isinstance(value, CompactionWindow):
                 value = value.text
             elif isinstance(value, str):
@@ -358,6 +364,20 @@ def _read_token(path: Path, problems: list[str]) -> str | None:
     if not token:
         problems.append(f"--api-token-file {path}: the file is empty")
     return token or None
+
+
+def _seeded_engine_config(parsed: Mapping[str, Any], problems: list[str]) -> EngineConfig | None:
+    """The model.json of the vLLM model in the repository Triton is seeded from: the file the
+    engine will read, so its limits are the sidecar's without being named twice."""
+    path = parsed["seed_model_repository"] / parsed["triton_model"] / "1" / "model.json"
+    if not path.is_file():
+        return None
+    try:
+        return EngineConfig.load(path)
+    except ValueError as exc:
+        problems.append(f"--engine-config (LORA_SIDECAR_ENGINE_CONFIG), from "
+                        f"--seed-model-repository: {exc}")
+        return None
 
 
 def _check(p: Mapping[str, Any]) -> Iterable[str]:

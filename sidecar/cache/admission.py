@@ -12,7 +12,8 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -106,11 +107,33 @@ def _write_record_into(folder: Path, expected: os.stat_result, record: AdapterRe
             return False
         for name in sorted(leave_out):
             _delete_entry(name, dir_fd)
+        _publish_modes(dir_fd, record.files)
         write_record(folder, record, dir_fd=dir_fd)
         os.fsync(dir_fd)
         return True
     finally:
         os.close(dir_fd)
+
+
+# The modes a stage publishes with (store.py makes the folder, registry/transfer.py its
+# files): the engine, often another user, reads an adopted folder as it reads a staged one.
+PUBLISHED_FOLDER_MODE = 0o755
+PUBLISHED_FILE_MODE = 0o644
+
+
+def _publish_modes(dir_fd: int, files: Iterable[str]) -> None:
+    """Give the folder open as `dir_fd` and its files the modes a stage publishes with: a copy
+    keeps the modes it was written with (safetensors writes 0600), which Triton's user may not
+    read. Entries of another owner keep theirs (only the owner may change a mode)."""
+    with suppress(PermissionError):
+        os.fchmod(dir_fd, PUBLISHED_FOLDER_MODE)
+    for name in files:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            with suppress(PermissionError):
+                os.fchmod(fd, PUBLISHED_FILE_MODE)
+        finally:
+            os.close(fd)
 
 
 def _delete_entry(name: str, dir_fd: int) -> None:

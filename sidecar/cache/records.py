@@ -177,9 +177,10 @@ class AdapterRecord:
 
 
 def _content_digest(all_files: Mapping[str, FileRecord]) -> str:
-    """What identifies an adapter's bytes: `sha256:` and the SHA-256 of its SHA256SUMS text
-    (one `<sha256>  <name>` line per file, sorted by name), so an operator can compute it with
-    `sha256sum`. The signature (model.sig) is left out: it says who vouches for the bytes, it
+    """What identifies an adapter's bytes: `sha256:` and the SHA-256 of a list written out
+    from its files' hashes (one `<sha256>  <name>` line per file, sorted by name: what
+    `sha256sum` prints; not a file the adapter ships), so an operator can compute it. The
+    signature (model.sig) is left out: it says who vouches for the bytes, it
     is not bytes the engine reads, and signing the same files again keeps their digest. A
     record of an older version without every file's SHA-256 gets a `crc32:` digest of the same
     form from sizes and CRC-32s: never equal to a `sha256:` one, so such bytes count as other

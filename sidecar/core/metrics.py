@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
@@ -15,6 +22,19 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from .version import build_info
+
+# No `_created` series beside each counter and histogram: a second series per metric that
+# dashboards never read (prometheus_client's switch is process-wide).
+disable_created_metrics()  # type: ignore[no-untyped-call]  # (unannotated upstream)
+
+# Every series of a labelled metric exists from the first scrape, at 0, for the label values
+# known in advance (a dashboard then shows 0, not "no data"). The catalog's states are its
+# enums' values (catalog/name_state.py, catalog/engine_state.py; a test keeps them equal).
+REGISTRY_OPERATIONS = ("probe", "list", "head", "get", "presign")
+RELOAD_OUTCOMES = ("ok", "error")
+NAME_STATES = ("unbound", "bound", "parked", "burnt", "retired")
+ENGINE_STATES = ("starting", "unreachable", "absent", "unconfirmed", "serving", "suspect",
+                 "loading")
 
 # The text format of /metrics/epp (hand-rendered: one gauge per adapter, web/epp.py).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -162,6 +182,14 @@ class Metrics:
             self.catalog_compactions.labels(reason=reason)
         for change in ("bound", "parked", "returned", "burnt"):
             self.catalog_name_changes.labels(change=change)
+        for operation in REGISTRY_OPERATIONS:
+            self.registry_errors.labels(operation=operation)
+        for outcome in RELOAD_OUTCOMES:
+            self.triton_reloads.labels(outcome=outcome)
+        for state in NAME_STATES:
+            self.catalog_names.labels(state=state)
+        for state in ENGINE_STATES:
+            self.triton_model_state.labels(state=state)
         if process:
             ProcessCollector(registry=r)
             PlatformCollector(registry=r)

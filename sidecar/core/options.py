@@ -59,11 +59,17 @@ _E = TypeVar("_E", bound=Enum)
 
 
 def parse_int(text: str) -> int:
-    return int(text.strip())
+    try:
+        return int(text.strip())
+    except ValueError:
+        raise ValueError("not a whole number") from None
 
 
 def parse_float(text: str) -> float:
-    value = float(text.strip())
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise ValueError("not a number") from None
     if not math.isfinite(value):
         raise ValueError(f"not a finite number: {text!r}")
     return value

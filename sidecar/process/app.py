@@ -376,6 +376,9 @@ def serve(settings: Settings, lock: CacheLock | None = None) -> int:
                     "evict and pin adapters", settings.host)
     log.info("settings: %s", settings.changes(),
              extra=fields(event="settings", settings=settings.describe()))
+    if settings.engine_config is not None:
+        log.info("the engine's limits, from its model.json: %s",
+                 settings.engine_config.describe())
     try:
         return asyncio.run(_run(settings, lock))
     except KeyboardInterrupt:

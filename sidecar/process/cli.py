@@ -24,7 +24,7 @@ from ..core.exits import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from ..core.ids import is_valid_adapter_id
 from ..core.options import Option, options_of
 from ..core.units import format_size
-from ..validation.options import ValidationOptions
+from ..validation.options import ValidationOptions, take_engine_limits
 
 _SERVED = {declared.field: declared.default for declared in options_of(Settings)}
 DEFAULT_URL = f"http://{_SERVED['host']}:{_SERVED['port']}"  # where `serve` listens by default
@@ -291,6 +291,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(f"error: {declared.flag} ({declared.env_var}) = {raw!r}: {exc}",
                   file=sys.stderr)
             return EXIT_USAGE
+    given = {o.field for o in _validate_options()
+             if getattr(args, o.field) is not None or o.env_var in os.environ}
+    problems = take_engine_limits(values, given)
+    if problems:
+        print("error: " + "\n".join(problems), file=sys.stderr)
+        return EXIT_USAGE
     try:
         shapes = (ModelShapes.from_file(values["base_model_config"])
                   if values["base_model_config"] else None)
@@ -429,7 +435,8 @@ def _validate_options() -> tuple[Option, ...]:
     """The rules `validate` shares with `serve`: the same flags, parsers and defaults, and the
     same LORA_SIDECAR_* variables, so a folder is judged as the sidecar started in that
     environment would judge it (the signing policy is `--policy` here)."""
-    shared = ("max_lora_rank", "allowed_target_modules", "base_model", "base_model_config")
+    shared = ("engine_config", "max_lora_rank", "allowed_target_modules", "base_model",
+              "base_model_config")
     return tuple(o for o in options_of(ValidationOptions) if o.field in shared)
 
 

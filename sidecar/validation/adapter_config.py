@@ -15,9 +15,11 @@ from .safetensors_check import Fault, shown
 
 _REQUIRED_FIELDS = ("r", "lora_alpha", "target_modules")
 # After vLLM's own words for a rank too large: which knob that is here.
-_RANK_LIMIT = ("The limit is the sidecar's --max-lora-rank (LORA_SIDECAR_MAX_LORA_RANK), which "
-               "must equal the engine's max_lora_rank (vllm_model's model.json): raise both "
-               "together, or train the adapter at a lower rank.")
+_RANK_LIMIT = ("The limit is the engine's max_lora_rank in vllm_model's model.json, which the "
+               "sidecar reads with --engine-config (LORA_SIDECAR_ENGINE_CONFIG); without that "
+               "file, the sidecar's --max-lora-rank (LORA_SIDECAR_MAX_LORA_RANK), which must "
+               "equal the engine's max_lora_rank: raise it in model.json, or train the adapter "
+               "at a lower rank.")
 # A module name or dotted path ("q_proj", "model.layers.0.self_attn.q_proj"), as PEFT writes
 # target_modules for a list, or for "all-linear" once resolved.
 _MODULE_PATH = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")

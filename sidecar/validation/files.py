@@ -20,6 +20,7 @@ latter it unpickles `adapter_model.bin` or `.pt` (lora_model.py), and vLLM 0.10 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -132,17 +133,44 @@ def plan_files(entries: Iterable[tuple[str, EntryKind]]) -> FilePlan:
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if name not in present and not (name == WEIGHTS_FILE and pickles):
             hint = [p for p in nested if p.endswith(f"/{name}")]
-            where = (f"; {shown(hint[0])} is one level down: point at the folder that holds "
-                     "the adapter's files directly") if hint else ""
-            problems.append(Problem("missing_file", name, f"{name} is missing{where}"))
+            problems.append(Problem("missing_file", name,
+                                    f"{name} is missing{_one_level_down(hint)}"))
     return FilePlan(tuple(sorted(fetched)), tuple(sorted(ignored)), tuple(problems))
 
 
+_CHECKPOINT = re.compile(r"checkpoint-(?P<step>[0-9]+)")
+
+
+def _one_level_down(paths: Sequence[str]) -> str:
+    """Where the missing file is below the folder, as a hint: a Trainer's output folder holds
+    the adapter of each saved step in checkpoint-N/, and the last one is named."""
+    if not paths:
+        return ""
+    steps = {int(m["step"]): path for path in paths
+             if (m := _CHECKPOINT.fullmatch(path.partition("/")[0]))}
+    if steps:
+        last = steps[max(steps)]
+        folder = last.partition("/")[0]
+        return (f"; {shown(last)} is one level down: this looks like a Trainer's output folder, "
+                f"whose checkpoint-N/ folders each hold the adapter saved at step N ({len(steps)} "
+                f"here, the last {folder}/). Point at that folder, or save the final adapter "
+                "with trainer.save_model(DIR) (PEFT's save_pretrained) and use DIR")
+    return (f"; {shown(paths[0])} is one level down: point at the folder that holds the "
+            "adapter's files directly")
+
+
 def plan_folder(folder: Path) -> FilePlan:
-    """The plan for a local folder's entries (raises OSError if it cannot be listed)."""
+    """The plan for a local folder's entries (raises OSError if it cannot be listed). A
+    sub-folder is looked into only for the engine's two files, for the missing files' hint."""
+    entries: list[tuple[str, EntryKind]] = []
     with os.scandir(folder) as scan:
-        entries = [(entry.name, entry_kind(entry.stat(follow_symlinks=False).st_mode))
-                   for entry in scan]
+        for entry in scan:
+            kind = entry_kind(entry.stat(follow_symlinks=False).st_mode)
+            entries.append((entry.name, kind))
+            if kind is EntryKind.FOLDER:
+                entries.extend((f"{entry.name}/{name}", EntryKind.FILE)
+                               for name in (CONFIG_FILE, WEIGHTS_FILE)
+                               if os.path.isfile(os.path.join(entry.path, name)))
     return plan_files(sorted(entries))
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 from ..core.options import (
     at_least,
@@ -17,6 +19,7 @@ from ..core.options import (
     parse_list,
     parse_optional_str,
 )
+from .engine_config import EngineConfig
 from .signing_policy import SigningPolicy
 
 LLAMA_TARGET_MODULES = (
@@ -49,11 +52,24 @@ def parse_signing_policy(text: str) -> Path | None:
     return path
 
 
+def parse_engine_config(text: str) -> EngineConfig | None:
+    path = parse_existing_file(text)
+    return EngineConfig.load(path) if path is not None else None
+
+
 @dataclasses.dataclass(frozen=True)
 class ValidationOptions:
+    engine_config: EngineConfig | None = option(
+        "--engine-config", parse_engine_config, "",
+        "the vLLM model's model.json (triton_repo/vllm_model/1/model.json, the file the engine "
+        "reads): max_lora_rank and the base model's folder are taken from it, so a limit is "
+        "changed in that one place", "FILE",
+        default_text="the vLLM model's model.json in --seed-model-repository, when there is "
+        "one; else none")
     max_lora_rank: int = option(
         "--max-lora-rank", at_least(parse_int, 1, "at least 1"), "16",
-        "largest LoRA rank the served engine accepts (vLLM's max_lora_rank)", "N")
+        "largest LoRA rank the served engine accepts (vLLM's max_lora_rank); with "
+        "--engine-config it is that file's, and a value given here must equal it", "N")
     allowed_target_modules: tuple[str, ...] = option(
         "--allowed-target-modules", parse_modules, ",".join(LLAMA_TARGET_MODULES),
         "modules an adapter may target (comma-separated)", "NAMES",
@@ -69,3 +85,27 @@ class ValidationOptions:
         "a TOML file naming, per adapter id, exact or by prefix or glob, the signers (public "
         "keys, or CA roots and an identity) whose OMS signature (model.sig) it needs and a "
         "mode: require, verify-if-present or off (without a file every adapter is off)", "FILE")
+
+
+def take_engine_limits(parsed: dict[str, Any], given: Collection[str]) -> list[str]:
+    """With --engine-config, the engine's own limits replace the options' defaults: its
+    max_lora_rank, and its base model folder's config.json for the shapes unless
+    --base-model-config is given. `given` names the options set by flag or variable; a
+    --max-lora-rank among them that disagrees with the file is a problem naming both."""
+    engine: EngineConfig | None = parsed.get("engine_config")
+    if engine is None:
+        return []
+    problems = []
+    if "max_lora_rank" in given and parsed["max_lora_rank"] != engine.max_lora_rank:
+        problems.append(
+            f"--max-lora-rank (LORA_SIDECAR_MAX_LORA_RANK) = {parsed['max_lora_rank']} "
+            f"disagrees with max_lora_rank {engine.max_lora_rank} in {engine.path} "
+            "(--engine-config, LORA_SIDECAR_ENGINE_CONFIG), the engine's own limit: adapters "
+            "the engine refuses would be let through, or ones it serves refused. Change the "
+            "limit in that file only, and leave --max-lora-rank unset")
+    parsed["max_lora_rank"] = engine.max_lora_rank
+    folder = engine.model_folder
+    if "base_model_config" not in given and folder is not None \
+            and (folder / "config.json").is_file():
+        parsed["base_model_config"] = folder / "config.json"
+    return problems

@@ -3,6 +3,7 @@ says what is missing before the long set-up."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -41,3 +42,28 @@ def test_missing_tools_are_named_with_their_package(
     as_root = missing_prerequisites({"loopback"}, is_root=True)
     assert as_root == []  # node, npm and curl are installed by the run itself as root
     assert missing_prerequisites({"loopback", "hit"}, is_root=False) != []
+
+
+def test_the_quick_run_runs_every_benchmark() -> None:
+    """`run.sh --quick` as a reader runs it: every benchmark in its small mode, each table
+    printed; a benchmark that breaks (a moved import, a changed option) fails here. Without
+    root the shaped link is left out, as `--help` says."""
+    phases = [] if os.geteuid() == 0 else ["--phases", "loopback,moto,memory,hit"]
+    result = subprocess.run([str(REPO / "benchmarks" / "run.sh"), "--quick", *phases],
+                            capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-4000:]
+    tables = ["### Cold stage, loopback, s3rver", "### Cold stage, loopback, moto",
+              "### Hit path", "### Memory", "### routing simulator", "### restart cost",
+              "### warm restart"]
+    if os.geteuid() == 0:
+        tables.append("### Cold stage, shaped link")
+    missing = [table for table in tables if table not in result.stdout]
+    assert not missing, result.stdout
+    # every client staged every adapter of the loopback table, each checked byte for byte
+    loopback = result.stdout.split("### Cold stage, loopback, s3rver")[1].split("###")[0]
+    rows = [line for line in loopback.splitlines() if line.startswith("| ") and " MB |" in line]
+    assert {row.split("|")[2].strip() for row in rows} >= {
+        "sidecar", "reference (boto3)", "boto3, tuned", "aws s3 cp", "s5cmd cp"}
+    engine = [line for line in result.stdout.splitlines()
+              if line.startswith("Imported, options parsed:")]
+    assert engine and "churn" in engine[0] and "new_adapter" in engine[0]

@@ -117,6 +117,13 @@ def _resolved(tmp_path: Path, profile: Path | None = None, **overrides: str) -> 
     return config
 
 
+def _outside_the_container(env: Mapping[str, str]) -> dict[str, str]:
+    """The sidecar's variables less the files only the container has (the base model's
+    config.json, the engine's model.json), so that the rest parses here."""
+    return {k: v for k, v in env.items()
+            if k not in ("LORA_SIDECAR_BASE_MODEL_CONFIG", "LORA_SIDECAR_ENGINE_CONFIG")}
+
+
 @pytest.fixture(scope="module")
 def resolved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return _resolved(tmp_path_factory.mktemp("compose"))
@@ -250,6 +257,7 @@ NOT_ENV_SETTINGS = {
     "COMPOSE_DOCKER_CLI_BUILD": "docker-compose 1.29's", "DOCKER_BUILDKIT": "docker's",
     "LORA_SIDECAR_API_TOKEN": "the router's, set in Triton's container from SIDECAR_API_TOKEN",
     "UNAVAILABLE": "a gRPC status",
+    "LORA_SIDECAR_ENGINE_CONFIG": "set in the compose file: the engine's model.json, mounted",
 }
 
 
@@ -279,25 +287,21 @@ def test_every_setting_compose_readme_mentions_is_settable_from_env() -> None:
 def test_the_sidecars_own_settings_in_env_reach_it_and_minio_init(tmp_path: Path) -> None:
     policy = tmp_path / "signing.toml"  # in the containers: a file mounted by an override
     policy.write_text('[[adapters]]\nglob = "*"\nmode = "off"\n')
-    chosen = {"LORA_SIDECAR_MAX_LORA_RANK": "64",
-              "LORA_SIDECAR_ALLOWED_TARGET_MODULES": "q_proj,v_proj",
+    chosen = {"LORA_SIDECAR_ALLOWED_TARGET_MODULES": "q_proj,v_proj",
               "LORA_SIDECAR_SPARE_NAMES": "8", "LORA_SIDECAR_COMPACT_BELOW": "2",
               "LORA_SIDECAR_COMPACTION_WINDOW": "02:00-04:00",
               "LORA_SIDECAR_SIGNING_POLICY": str(policy)}
     assert set(chosen) == {n for n in _read_env_file(ENV_EXAMPLE) if n.startswith("LORA_SIDECAR_")}
     services = _resolved(tmp_path, **chosen)["services"]
     env = services["sidecar"]["environment"]
-    settings = Settings.from_env({k: v for k, v in env.items()
-                                  if k != "LORA_SIDECAR_BASE_MODEL_CONFIG"})
-    assert settings.max_lora_rank == 64
+    settings = Settings.from_env(_outside_the_container(env))
     assert settings.allowed_target_modules == ("q_proj", "v_proj")
     assert (settings.spare_names, settings.compact_below) == (8, 2)
     assert settings.compaction_window is not None
     assert settings.compaction_window.text == "02:00-04:00 UTC"
     assert settings.signing_policy == policy
     init_env = services["minio-init"]["environment"]
-    for name in ("LORA_SIDECAR_MAX_LORA_RANK", "LORA_SIDECAR_ALLOWED_TARGET_MODULES",
-                 "LORA_SIDECAR_SIGNING_POLICY"):
+    for name in ("LORA_SIDECAR_ALLOWED_TARGET_MODULES", "LORA_SIDECAR_SIGNING_POLICY"):
         assert init_env[name] == chosen[name]  # the uploader checks by the same rules
 
 
@@ -332,8 +336,7 @@ def test_triton_serves_the_repository_whose_catalog_the_sidecar_renders(
     assert "--model-control-mode=explicit" in command
     for model in ("vllm_model", "multilora_router"):
         assert f"--load-model={model}" in command
-    settings = Settings.from_env({k: v for k, v in env.items()
-                                  if k != "LORA_SIDECAR_BASE_MODEL_CONFIG"})
+    settings = Settings.from_env(_outside_the_container(env))
     assert settings.triton_url == "http://triton:8000"
     assert settings.triton_model == "vllm_model"
     assert settings.triton_reload is TritonReload.UNLOAD_FIRST
@@ -351,8 +354,30 @@ def test_base_model_and_rank_agree_with_the_vllm_model_config(resolved: dict[str
     assert model_mount == REQUIRED_SETTINGS["MODEL_DIR"] and read_only
     assert _mounts(sidecar)["/models/host"] == (model_mount, True)
     env = sidecar["environment"]
-    assert int(env["LORA_SIDECAR_MAX_LORA_RANK"]) == engine["max_lora_rank"]
+    assert "LORA_SIDECAR_MAX_LORA_RANK" not in env  # one place: the engine's own file
     assert env["LORA_SIDECAR_BASE_MODEL_CONFIG"].startswith("/models/host/")
+
+
+def test_the_sidecar_and_the_uploader_read_the_engines_own_model_json(
+    tmp_path: Path, resolved: dict[str, Any]
+) -> None:
+    """The file Triton's vllm_model reads is the one the sidecar and minio-init read the
+    engine's limits from, with the GPU profile and with the CPU one (which mounts its own)."""
+    cpu = _resolved(tmp_path, profile=CPU_PROFILE)
+    for config in (resolved, cpu):
+        services = config["services"]
+        triton_engine = services["triton"]
+        engine_file = _mounts(triton_engine).get("/triton_repo/vllm_model/1/model.json")
+        if engine_file is None:  # the GPU profile: the checked-in repository's own file
+            repository, _ = _mounts(triton_engine)["/triton_repo"]
+            engine_file = (str(Path(repository) / "vllm_model" / "1" / "model.json"), True)
+        for name in ("sidecar", "minio-init"):
+            env = services[name]["environment"]
+            inside = env["LORA_SIDECAR_ENGINE_CONFIG"]
+            assert _mounts(services[name])[inside] == engine_file, name
+            settings = Settings.from_values({"engine_config": engine_file[0]})
+            engine = json.loads(Path(engine_file[0]).read_text())
+            assert settings.max_lora_rank == engine["max_lora_rank"]
 
 
 def test_sidecar_environment_names_only_real_settings_and_parses(
@@ -363,8 +388,7 @@ def test_sidecar_environment_names_only_real_settings_and_parses(
     named = {key for key in env if key.startswith("LORA_SIDECAR_")}
     assert named - known == set(), "misspelt LORA_SIDECAR_ variables are silently ignored"
     # The model config is only there inside the container; everything else must parse.
-    settings = Settings.from_env({k: v for k, v in env.items()
-                                  if k != "LORA_SIDECAR_BASE_MODEL_CONFIG"})
+    settings = Settings.from_env(_outside_the_container(env))
     assert settings.registry.startswith("s3://") and settings.s3_endpoint_url == "http://minio:9000"
     assert settings.api_token == REQUIRED_SETTINGS["SIDECAR_API_TOKEN"]
     assert settings.host == "0.0.0.0"
@@ -389,7 +413,7 @@ def test_minio_init_uploads_where_the_sidecar_reads(resolved: dict[str, Any]) ->
     sidecar_env = services["sidecar"]["environment"]
     # Same bucket, same credentials, and the same rules for what a valid adapter is.
     for key in ("LORA_SIDECAR_REGISTRY", "LORA_SIDECAR_S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
-                "AWS_SECRET_ACCESS_KEY", "LORA_SIDECAR_MAX_LORA_RANK",
+                "AWS_SECRET_ACCESS_KEY", "LORA_SIDECAR_ENGINE_CONFIG",
                 "LORA_SIDECAR_BASE_MODEL_CONFIG", "LORA_SIDECAR_BASE_MODEL"):
         assert init_env[key] == sidecar_env[key], key
     assert _mounts(services["minio-init"])["/models/host"] == _mounts(services["sidecar"])[
@@ -423,8 +447,10 @@ def test_sidecar_with_the_compose_environment_serves_what_minio_init_uploaded(
     (model_dir / "config.json").write_text(json.dumps(TINY_LLAMA.to_config()))
     write_adapter(tmp_path / "adapters" / "support-v1", shapes=TINY_LLAMA)
     bucket = f"compose-{uuid.uuid4().hex[:12]}"
+    engine_config = services["sidecar"]["environment"]["LORA_SIDECAR_ENGINE_CONFIG"]
     paths = {"http://minio:9000": moto_server, "/models/host": str(model_dir),
-             "s3://lora-adapters/": f"s3://{bucket}/"}
+             "s3://lora-adapters/": f"s3://{bucket}/",
+             engine_config: _mounts(services["sidecar"])[engine_config][0]}
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "LORA_SIDECAR_"))}
     clean["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), clean.get("PYTHONPATH")) if p)
 
@@ -544,8 +570,10 @@ def test_cpu_profile_runs_the_same_node_on_an_image_built_here(
     assert set(_mounts(main)) < set(_mounts(triton))
     for name in set(resolved["services"]) - {"triton"}:
         # (a second file makes docker-compose reorder mounts: compare them as sets)
+        # but the engine's model.json: the CPU's, as Triton's (the test above)
         ours, theirs = dict(cpu["services"][name]), dict(resolved["services"][name])
-        assert _mounts(ours) == _mounts(theirs), name
+        engine = "/etc/lora-sidecar/model.json"
+        assert ({**_mounts(ours), engine: None} == {**_mounts(theirs), engine: None}), name
         ours.pop("volumes", None), theirs.pop("volumes", None)
         assert ours == theirs, name
 

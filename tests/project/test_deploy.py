@@ -23,7 +23,10 @@ from sidecar.process.seed import REPOSITORY_DIR
 from tests.support.paths import REPO
 
 K8S = REPO / "deploy" / "k8s"
-OVERLAYS = sorted(p.parent.relative_to(K8S).as_posix() for p in K8S.rglob("kustomization.yaml"))
+BASE_MODEL = "base-model"  # the base model's volume and the Job that fills it, not a node
+OVERLAYS = sorted(p.parent.relative_to(K8S).as_posix() for p in K8S.rglob("kustomization.yaml")
+                  if p.parent.name != BASE_MODEL)
+GUIDE = REPO / "deploy" / "README.md"
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:26.01-vllm-python-py3"
 CORE_KINDS = {"ConfigMap", "Service", "StatefulSet", "Deployment", "PodDisruptionBudget"}
 
@@ -38,8 +41,8 @@ def kubectl() -> str:
     return found
 
 
-def render(overlay: str) -> list[dict[str, Any]]:
-    result = subprocess.run([kubectl(), "kustomize", str(K8S / overlay)], capture_output=True,
+def render(overlay: str, root: Path = K8S) -> list[dict[str, Any]]:
+    result = subprocess.run([kubectl(), "kustomize", str(root / overlay)], capture_output=True,
                             text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
@@ -74,13 +77,16 @@ def sidecar_env(docs: list[dict[str, Any]]) -> dict[str, str]:
     sidecar = container(pod_of(docs), "lora-sidecar")
     env: dict[str, str] = {}
     for source in sidecar.get("envFrom", []):
-        env.update(one(docs, "ConfigMap", source["configMapRef"]["name"])["data"])
+        if "configMapRef" in source:  # a Secret's values are not in the rendered YAML
+            env.update(one(docs, "ConfigMap", source["configMapRef"]["name"])["data"])
     for item in sidecar.get("env", []):
         env[item["name"]] = item.get("value", "10.1.2.3" if "valueFrom" in item else "")
     return env
 
 
 BASE_MODEL_CONFIG = "LORA_SIDECAR_BASE_MODEL_CONFIG"
+ENGINE_CONFIG = "LORA_SIDECAR_ENGINE_CONFIG"
+IMAGE_REPOSITORY = "/opt/lora-sidecar/triton_repo"  # the Dockerfile's copy of triton_repo/
 
 
 def sidecar_settings(env: dict[str, str]) -> Settings:
@@ -88,7 +94,11 @@ def sidecar_settings(env: dict[str, str]) -> Settings:
     valid), but for the base model's config.json, a file of the pod's base-model volume that
     does not exist here (test_the_cache_volume_is_where_the_sidecars_settings_say checks its
     mount)."""
-    return Settings.from_env({k: v for k, v in env.items() if k != BASE_MODEL_CONFIG})
+    env = {k: v for k, v in env.items() if k != BASE_MODEL_CONFIG}
+    if ENGINE_CONFIG in env:  # a file of the image: this checkout's copy
+        env[ENGINE_CONFIG] = env[ENGINE_CONFIG].replace(IMAGE_REPOSITORY,
+                                                        str(REPO / "triton_repo"))
+    return Settings.from_env(env)
 
 
 def test_there_is_a_base_and_the_routing_overlays() -> None:
@@ -381,3 +391,112 @@ def test_the_llm_d_overlay_labels_the_engine_and_turns_on_the_epp_metrics(
     # Nothing else changed: the base's settings are all still there.
     assert sidecar_env(docs).keys() - {"LORA_SIDECAR_EPP_METRICS"} == sidecar_env(
         rendered["base"]).keys()
+
+
+def test_the_engines_limits_are_read_from_the_model_json_triton_is_seeded_with(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    """One place for an engine limit: the sidecar reads the model.json of the repository it
+    seeds Triton's from, and no overlay sets a rank of its own beside it."""
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert f"COPY triton_repo {IMAGE_REPOSITORY}" in dockerfile
+    engine = yaml.safe_load((REPO / "triton_repo" / "vllm_model" / "1" / "model.json").read_text())
+    for overlay, docs in rendered.items():
+        env = sidecar_env(docs)
+        assert env[ENGINE_CONFIG].startswith(env["LORA_SIDECAR_SEED_MODEL_REPOSITORY"] + "/"), \
+            overlay
+        assert "LORA_SIDECAR_MAX_LORA_RANK" not in env, overlay
+        settings = sidecar_settings(env)
+        assert settings.max_lora_rank == engine["max_lora_rank"], overlay
+        assert settings.engine_config is not None
+        assert settings.engine_config.max_loras == engine["max_loras"], overlay
+        # the base model's folder the engine loads is the one mounted into the sidecar
+        mounts = {m["mountPath"] for m in container(pod_of(docs), "lora-sidecar")["volumeMounts"]}
+        assert engine["model"] in mounts, overlay
+
+
+# ---- the step-by-step guide (deploy/README.md) ----------------------------------------------
+
+
+def guide_blocks(language: str) -> list[str]:
+    """The code blocks of the step-by-step part of deploy/README.md."""
+    text = GUIDE.read_text()
+    steps = text[text.index("## Deploying, step by step"):text.index("## The pod")]
+    return re.findall(rf"^```{language}\n(.*?)^```", steps, re.M | re.S)
+
+
+def strictly_valid(docs: list[dict[str, Any]], tmp_path: Path) -> None:
+    validator = shutil.which("kubernetes-validate", path=str(Path(sys.executable).parent))
+    assert validator is not None
+    path = tmp_path / "docs.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    result = subprocess.run([validator, "--strict", "-k", newest_minors()[-1], str(path)],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    assert result.stdout.count(" passed ") == len(docs), result.stdout
+
+
+def test_every_command_of_the_guide_parses_and_names_files_that_exist() -> None:
+    blocks = guide_blocks("sh")
+    assert len(blocks) >= 8
+    for block in blocks:
+        result = subprocess.run(["bash", "-n"], input=block, capture_output=True, text=True,
+                                timeout=30, check=False)
+        assert result.returncode == 0, f"{block}\n{result.stderr}"
+    commands = "\n".join(blocks)
+    for path in re.findall(r"(?:-k|kustomize|--engine-config) (deploy/\S+|triton_repo/\S+)",
+                           commands):
+        if "my-cluster" not in path:  # the overlay the guide has the reader write
+            assert (REPO / path).exists(), path
+    assert "docker build" in commands and (REPO / "Dockerfile").is_file()
+
+
+def test_the_base_model_volume_is_read_many_and_where_the_engine_loads_the_model(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    docs = render(BASE_MODEL)
+    strictly_valid(docs, tmp_path)
+    claim = one(docs, "PersistentVolumeClaim", "base-model")
+    assert set(claim["spec"]["accessModes"]) & {"ReadWriteMany", "ReadOnlyMany"}
+    engine = yaml.safe_load((REPO / "triton_repo" / "vllm_model" / "1" / "model.json").read_text())
+    job = one(docs, "Job", "fill-base-model")["spec"]["template"]["spec"]
+    [download] = job["containers"]
+    mounts = {m["mountPath"]: m["name"] for m in download["volumeMounts"]}
+    volumes = {v["name"]: v for v in job["volumes"]}
+    assert volumes[mounts[engine["model"]]]["persistentVolumeClaim"]["claimName"] == "base-model"
+    assert f"--local-dir {engine['model']}" in " ".join(download["command"])
+    for overlay, nodes in rendered.items():  # every node mounts that claim where model.json says
+        pod = pod_of(nodes)
+        claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]
+                  if "persistentVolumeClaim" in v}
+        triton = {m["mountPath"]: m["name"] for m in container(pod, "triton")["volumeMounts"]}
+        assert claims[triton[engine["model"]]] == "base-model", overlay
+
+
+def test_the_guides_overlay_renders_with_its_image_settings_and_secret(tmp_path: Path) -> None:
+    """Step 7 as a reader does it: the overlay written into deploy/k8s/overlays/my-cluster (a
+    copy here) renders, passes the strict schemas, and carries the image, the settings and the
+    Secret of the earlier steps; the other YAML of the guide is valid too."""
+    [overlay] = [b for b in guide_blocks("yaml") if "kind: Kustomization" in b]
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    (copy / "overlays" / "my-cluster").mkdir()
+    (copy / "overlays" / "my-cluster" / "kustomization.yaml").write_text(overlay)
+    docs = render("overlays/my-cluster", root=copy)
+    core = [d for d in docs if d["kind"] in CORE_KINDS]
+    strictly_valid(core, tmp_path)
+    assert {d["metadata"].get("namespace") for d in docs} == {"lora"}
+    pod = pod_of(docs)
+    sidecar = container(pod, "lora-sidecar")
+    assert sidecar["image"] == "registry.example.com/ml/lora-sidecar:0.1.0"
+    assert {"secretRef": {"name": "lora-sidecar-s3"}} in sidecar["envFrom"]
+    settings = sidecar_settings(sidecar_env(docs))
+    assert settings.registry == "s3://my-adapters/lora" and settings.s3_region == "eu-west-1"
+    assert settings.max_bytes == sidecar_settings(sidecar_env(render("base"))).max_bytes
+    others = [yaml.safe_load(b) for b in guide_blocks("yaml") if "kind: Kustomization" not in b]
+    assert {d["kind"] for d in others} == {"StorageClass", "ServiceAccount"}
+    strictly_valid(others, tmp_path)
+    [storage] = [d for d in others if d["kind"] == "StorageClass"]
+    claim = one(docs, "StatefulSet", "lora-node")["spec"]["volumeClaimTemplates"][0]
+    assert storage["metadata"]["name"] == claim["spec"]["storageClassName"]
+    assert storage["volumeBindingMode"] == "WaitForFirstConsumer"

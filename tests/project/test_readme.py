@@ -255,3 +255,52 @@ def test_every_cause_of_every_error_code_is_in_the_readme_row_of_its_code() -> N
     missing = sorted((code, words) for (code, _), words in ERROR_CAUSES.items()
                      if words not in rows.get(code, ""))
     assert not missing, f"causes the README's error table does not name: {missing}"
+
+
+# ---- signing, as the README walks through it -------------------------------------------------
+
+
+def signing_walkthrough() -> tuple[str, str]:
+    """The README's signing policy (TOML) and its key-making and signing commands (sh)."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Signed adapters"):]
+    policy = re.search(r"^```toml\n(.*?)^```", section, re.M | re.S)
+    steps = re.search(r"\*\*Making the keys, signing, uploading\.\*\*.*?^```sh\n(.*?)^```",
+                      section, re.M | re.S)
+    assert policy is not None and steps is not None
+    return policy.group(1), steps.group(1)
+
+
+def test_the_signing_steps_make_every_file_the_policy_reads_and_both_adapters_pass(
+    tmp_path: Path,
+) -> None:
+    """In an empty folder holding the two adapter folders: the policy saved as signing.toml,
+    then the README's commands in order (the upload left out). Every key and CA file the
+    policy names then exists, both signed adapters pass `validate --policy`, and the
+    certificate's identity is the one the policy requires."""
+    from sidecar.process.examples import write_adapter
+
+    policy, steps = signing_walkthrough()
+    (tmp_path / "signing.toml").write_text(policy)
+    for adapter_id in ("acme-support-v5", "globex-chat-v2"):
+        write_adapter(tmp_path / adapter_id)
+    script = "\n".join(line for line in steps.replace("\\\n", " ").splitlines()
+                       if not line.startswith("aws s3 "))
+    venv_bin = str(Path(sys.executable).parent)
+    result = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PATH": f"{venv_bin}:{os.environ['PATH']}"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    for named in re.findall(r'"((?:keys|ca)/[^"]+)"', policy):
+        assert (tmp_path / named).is_file(), named
+    for adapter_id in ("acme-support-v5", "globex-chat-v2"):
+        assert (tmp_path / adapter_id / "model.sig").is_file()
+        assert re.search(rf"^OK .*{adapter_id}", result.stdout, re.M), result.stdout
+    # a policy that wants another identity refuses the certificate's signature
+    (tmp_path / "other.toml").write_text(policy.replace("release@globex.example",
+                                                        "someone@globex.example"))
+    refused = subprocess.run([sys.executable, "-m", "sidecar", "validate",
+                              str(tmp_path / "globex-chat-v2"), "--policy",
+                              str(tmp_path / "other.toml")],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "signer_not_allowed" in refused.stdout, refused.stdout

@@ -210,3 +210,34 @@ async def test_own_stage_and_evict_cause_no_adoption_or_external_eviction(
     }
     assert records == {"b": str(tmp_path / "registry"), "d": str(tmp_path / "registry"),
                        "barrier": "adopted"}
+
+
+async def test_a_folder_copied_in_private_is_published_with_a_stages_modes(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    """A copy whose files were written 0600 in a 0700 folder (safetensors' own mode) is adopted
+    with the modes a stage of the same adapter publishes, so the engine's user reads both."""
+    local_registry_adapter(tmp_path, "staged-v1", seed=3)
+    sidecar = await start_sidecar(make_settings(tmp_path))
+    await stage_ok(http, sidecar, "staged-v1", lease=False)
+    provisioned = tmp_path / "provisioning" / "copied-v1"
+    write_adapter(provisioned, seed=7)
+    for entry in provisioned.iterdir():
+        entry.chmod(0o600)
+    provisioned.chmod(0o700)
+    shutil.copytree(provisioned, sidecar.store.path_of("copied-v1"))
+
+    async def adopted() -> bool:
+        return await _listed(http, sidecar) == ["copied-v1", "staged-v1"]
+
+    await eventually(adopted, timeout_s=5, what="the copy is adopted")
+
+    def modes(folder: Path) -> dict[str, int]:
+        found = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
+        return {".": folder.stat().st_mode & 0o777, **found}
+
+    staged = modes(sidecar.store.path_of("staged-v1"))
+    copied = modes(sidecar.store.path_of("copied-v1"))
+    assert copied.keys() == staged.keys()
+    assert copied == staged, (copied, staged)
+    assert all(mode & 0o044 == 0o044 for mode in copied.values())  # readable by the engine

@@ -181,3 +181,38 @@ async def test_registry_errors_are_counted_by_operation(
     assert m.value("lora_sidecar_registry_errors_total", operation="get") >= 1
     m = await scrape(http, missing_bucket.url)
     assert m.value("lora_sidecar_registry_errors_total", operation="list") >= 1
+
+
+async def test_a_fresh_sidecar_exports_every_known_series_at_zero_and_no_created_series(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    """What a dashboard shows before the first event: 0 for every label value known in advance
+    (not "no data"), and no `_created` twin beside each counter and histogram."""
+    from sidecar.catalog.engine_state import EngineState
+    from sidecar.catalog.name_state import NameState
+    from sidecar.core import metrics
+
+    sidecar = await start_sidecar(make_settings(tmp_path))
+    async with http.get(f"{sidecar.url}/metrics") as response:
+        text = await response.text()
+    assert "_created" not in text
+    m = await scrape(http, sidecar.url)
+    expected = {
+        "lora_sidecar_registry_errors_total": ("operation", metrics.REGISTRY_OPERATIONS),
+        "lora_sidecar_triton_reloads_total": ("outcome", ("ok", "error")),
+        "lora_sidecar_evictions_total": ("reason", ("lru", "manual", "forced", "external")),
+        "lora_sidecar_catalog_compactions_total": (
+            "reason", ("exhausted", "spares_low", "window", "requested", "engine_lost")),
+        "lora_sidecar_signature_verifications_total": (
+            "outcome", ("verified", "unsigned", "refused")),
+    }
+    for sample, (label, values) in expected.items():
+        for value in values:
+            assert m.value(sample, **{label: value}) == 0, (sample, value)
+    # the catalog's states, as its own enums name them
+    assert metrics.NAME_STATES == tuple(state.value for state in NameState)
+    assert metrics.ENGINE_STATES == tuple(state.value for state in EngineState)
+    for state in metrics.NAME_STATES:
+        m.value("lora_sidecar_catalog_names", state=state)  # present (the catalog sets it)
+    for state in metrics.ENGINE_STATES:
+        m.value("lora_sidecar_triton_model_state", state=state)

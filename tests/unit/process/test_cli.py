@@ -445,3 +445,34 @@ def test_validate_judges_the_rank_by_the_same_setting_as_serve(tmp_path: Path) -
     bad = validate(LORA_SIDECAR_MAX_LORA_RANK="zero")
     assert bad.returncode == 2
     assert "--max-lora-rank (LORA_SIDECAR_MAX_LORA_RANK) = 'zero'" in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["--port", "abc"], "--port (LORA_SIDECAR_PORT) = 'abc': not a whole number"),
+    (["--lease-ttl", "soon"], "--lease-ttl (LORA_SIDECAR_LEASE_TTL) = 'soon': not a number"),
+])
+def test_a_value_that_is_not_a_number_says_so_in_words(
+    tmp_path: Path, args: list[str], fragment: str
+) -> None:
+    result = subprocess.run([sys.executable, "-m", "sidecar", "serve", *args, "--cache-root",
+                             str(tmp_path / "cache")], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert fragment in result.stderr, result.stderr
+    assert "invalid literal" not in result.stderr and "could not convert" not in result.stderr
+
+
+@pytest.mark.parametrize(("args", "suggestion", "usage"), [
+    (["serve", "--max-lora-rnk", "32"], "did you mean --max-lora-rank?", "lora-sidecar serve"),
+    (["stage", "a", "--timout", "5"], "did you mean --timeout?", "lora-sidecar stage"),
+    (["validate", ".", "--engine-confg", "x"], "did you mean --engine-config?",
+     "lora-sidecar validate"),
+])
+def test_a_misspelt_option_gets_its_commands_usage_and_the_nearest_option(
+    args: list[str], suggestion: str, usage: str
+) -> None:
+    result = subprocess.run([sys.executable, "-m", "sidecar", *args], capture_output=True,
+                            text=True, timeout=30)
+    assert result.returncode == 2
+    assert f"unrecognized arguments: {args[-2]} {args[-1]}; {suggestion}" in result.stderr, \
+        result.stderr
+    assert f"usage: {usage}" in result.stderr

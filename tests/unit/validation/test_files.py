@@ -4,9 +4,14 @@ the watcher, the compose uploader): tests/behaviour/test_adapter_files.py."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from sidecar.core.fsutil import EntryKind
+from sidecar.process.examples import write_adapter
 from sidecar.validation.files import FileRole, classify, plan_files
 from tests.support.broken_adapters import CONFIG, WEIGHTS
 
@@ -83,3 +88,27 @@ def test_an_engine_file_that_is_not_a_plain_file_is_refused() -> None:
     assert {(p.code, p.file) for p in plan.problems} == {("symlink", CONFIG),
                                                          ("not_regular_file", WEIGHTS)}
     assert plan.ignored == ("README.md",)
+
+
+def test_a_trainer_output_folder_is_refused_with_its_last_checkpoint_named(
+    tmp_path: Path,
+) -> None:
+    """`lora-sidecar validate` on what transformers' Trainer leaves in output_dir: only
+    checkpoint-N/ folders (and runs/). The answer names the last checkpoint, as a folder that
+    holds the adapter, and how to save the final one."""
+    output = tmp_path / "output"
+    for step in (500, 1000, 1500):
+        write_adapter(output / f"checkpoint-{step}")
+    (output / "runs").mkdir()
+    result = subprocess.run([sys.executable, "-m", "sidecar", "validate", str(output)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    missing = [line for line in result.stdout.splitlines() if line.startswith("missing_file")]
+    assert len(missing) == 2, result.stdout
+    for line in missing:
+        assert "checkpoint-1500/" in line and "Trainer" in line, line
+        assert "trainer.save_model" in line
+    last = subprocess.run([sys.executable, "-m", "sidecar", "validate",
+                           str(output / "checkpoint-1500")], capture_output=True, text=True,
+                          timeout=60)
+    assert last.returncode == 0, last.stdout + last.stderr  # the folder the hint points at

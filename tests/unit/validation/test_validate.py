@@ -114,8 +114,9 @@ def test_messages_quote_vllm_where_it_has_one(tmp_path: Path) -> None:
 
     messages = {p.message for p in problems}
     assert any(m.startswith("LoRA rank 32 is greater than max_lora_rank 16.") for m in messages)
-    assert any("--max-lora-rank (LORA_SIDECAR_MAX_LORA_RANK), which must equal the engine's "
-               "max_lora_rank" in m for m in messages)
+    assert any("max_lora_rank in vllm_model's model.json, which the sidecar reads with "
+               "--engine-config (LORA_SIDECAR_ENGINE_CONFIG)" in m
+               and "--max-lora-rank (LORA_SIDECAR_MAX_LORA_RANK)" in m for m in messages)
     assert (
         f"While loading {tmp_path / 'a'}, expected target modules in ['q_proj'] but received "
         "['v_proj']. Please verify that the loaded LoRA module is correct." in messages
@@ -465,9 +466,8 @@ def test_run_validate_prints_a_verdict_and_returns_an_exit_code(tmp_path: Path) 
         "note  1 entries the engine never reads are left out (never fetched or published)",
     ]
     assert lines[1].startswith("rank_too_large  adapter_config.json: LoRA rank 32 is greater "
-                               "than max_lora_rank 16. The limit is the sidecar's "
-                               "--max-lora-rank (LORA_SIDECAR_MAX_LORA_RANK), which must "
-                               "equal the engine's max_lora_rank")
+                               "than max_lora_rank 16. The limit is the engine's "
+                               "max_lora_rank in vllm_model's model.json")
     assert lines[2].endswith(": training_args.bin")
 
     out = io.StringIO()
