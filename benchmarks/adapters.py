@@ -13,9 +13,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from sidecar.process.examples import write_adapter
+from sidecar.validation.files import SIGNATURE_FILE
 from sidecar.validation.oms import sign_folder
 from sidecar.validation.shapes import ATTENTION_MODULES, LLAMA_3_8B, MLP_MODULES
-from sidecar.validation.validate import SIGNATURE_FILE
 
 BUCKET = "lsbench"
 PREFIX = "adapters"
