@@ -17,13 +17,13 @@ import logging
 import os
 import random
 import threading
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from ..core.errors import RegistryUnavailable, SidecarError
+from ..core.filehash import crc32
 from .checksum import crc32_combine
 
 log = logging.getLogger(__name__)
@@ -406,7 +406,7 @@ def _copy_range(
         if got:
             chunk = view[:got]
             _pwrite_all(fd, [chunk], offset)
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             if look is not None:
                 look(offset, chunk)
             offset += got
