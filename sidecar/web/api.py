@@ -305,9 +305,10 @@ async def stage(request: web.Request) -> web.Response:
     services = _services(request)
     body = await _body(request, "stage")
     adapter_id = check_adapter_id(body["adapter_id"])
-    await _recovered(services, _stage_timeout(services, body))
-    named = await services.naming.stage(
-        adapter_id, timeout_s=_stage_timeout(services, body), lease=body.get("lease", True))
+    timeout_s = _stage_timeout(services, body)
+    await _recovered(services, timeout_s)
+    named = await services.naming.stage(adapter_id, timeout_s=timeout_s,
+                                        lease=body.get("lease", True))
     return web.Response(text=_stage_json(services, named), content_type="application/json")
 
 
