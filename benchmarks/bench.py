@@ -27,6 +27,7 @@ from . import hitpath, link, miss
 from .adapters import Adapter
 from .clients import (
     Boto3Stager,
+    CrtStager,
     SidecarStager,
     Stager,
     aws_cli,
@@ -138,6 +139,10 @@ def alternatives(ctx: Context, server: S3Server) -> list[Stager]:
         aws_cli(ctx.tools.aws, server, ctx.env, dest / "aws"),
         s5cmd(ctx.tools.s5cmd, server, ctx.env, dest / "s5cmd"),
         s5cmd(ctx.tools.s5cmd, server, ctx.env, dest / "s5cmd-tuned", tuned=True),
+        CrtStager(ctx.tools.crt_python, server, ctx.env, dest / "awscrt",
+                  {a.adapter_id: [(f"{adapters_mod.PREFIX}/{a.adapter_id}/{p.name}",
+                                   p.stat().st_size) for p in a.files()]
+                   for a in ctx.adapters}),
     ]
 
 
