@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from isal.isal_zlib import crc32
+from isal.isal_zlib import crc32 as crc32  # as: re-exported for the downloads
 
 CHUNK_BYTES = 1024 * 1024
 # `crc32` is ISA-L's (the same CRC-32 as zlib.crc32 and S3's ChecksumCRC32, with carry-less
