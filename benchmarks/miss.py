@@ -26,13 +26,13 @@ from urllib.parse import urlsplit
 from sidecar.config import Settings
 from sidecar.process.examples import write_adapter
 from sidecar.registry.transfer import TransferPolicy, part_starts
-from sidecar.validation.shapes import TINY_LLAMA
+from sidecar.validation.shapes import ATTENTION_MODULES, TINY_LLAMA
 
 from .adapters import BUCKET, PREFIX, Adapter, AdapterSpec
 from .clients import SidecarStager, s3_client
 from .servers import S3Server, Supervisor
 
-SMALL = AdapterSpec("miss-tiny-r8-qv", 8, ("q_proj", "v_proj"), 7)
+SMALL = AdapterSpec("miss-tiny-r16-qkvo", 16, ATTENTION_MODULES, 7)
 COPY_CHUNK_BYTES = 1024 * 1024  # the sidecar's own buffer per range
 
 
@@ -50,7 +50,7 @@ class MissResult:
 
 
 def small_adapter(root: Path) -> Adapter:
-    """The small adapter (tiny Llama shapes, rank 8 on q and v: about 50 KB), written once."""
+    """The small adapter (tiny-Llama shapes, rank 16 on q/k/v/o: 33 KB), written once."""
     folder = root / SMALL.adapter_id
     if not folder.is_dir():
         write_adapter(folder, rank=SMALL.rank, target_modules=SMALL.target_modules,
