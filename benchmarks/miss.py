@@ -7,14 +7,19 @@ ranges as `part_starts` cuts them with the sidecar's default part size and paral
 written at its offset in a file on the same filesystem (a local folder: each range read and
 written the same way). What is left of the stage's time is the sidecar's own: its fsyncs,
 validation, hashing, names and renames.
+
+`python -m benchmarks.miss --compare before=PATH` runs the small adapter alone from a local
+folder, many interleaved rounds, for a busy machine.
 """
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import os
 import shutil
 import statistics
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -240,3 +245,72 @@ def local_sidecar(sup: Supervisor, command: list[str], root: Path, cache_root: P
     server = S3Server("local", "http://127.0.0.1:1", None)  # type: ignore[arg-type]
     return SidecarStager(sup, command, server, cache_root, env,
                          ("--registry", str(root), *extra_args), name="sidecar")
+
+
+def compare_small(rounds: int, dest: Path, compared: list[tuple[str, Path]]) -> str:
+    """The small adapter's miss from a local folder, this checkout's sidecar beside others
+    and the bare copy, interleaved (the order rotates each round): the medians and quartiles
+    of many rounds, for a machine too busy for one run's figure to mean much."""
+    from .bench import REPO
+    from .servers import s3_env
+
+    work = REPO / "benchmarks" / ".work"
+    sup = Supervisor(work / "logs")
+    small = small_adapter(work / "adapters")
+    shutil.rmtree(dest, ignore_errors=True)
+    sides: dict[str, SidecarStager | BareLocal] = {}
+    try:
+        for label, source in [("sidecar", REPO), *compared]:
+            env = s3_env(os.environ, work)
+            env["PYTHONPATH"] = str(source.resolve())
+            sides[label if label == "sidecar" else f"sidecar ({label})"] = local_sidecar(
+                sup, [sys.executable, "-P", "-m", "sidecar"], work / "adapters",
+                dest / f"cache-{label}", env, ())
+        sides["bare"] = BareLocal(work / "adapters", dest / "bare", _policy())
+        times: dict[str, list[float]] = {name: [] for name in sides}
+        for side in sides.values():  # untimed: imports, page cache
+            side.fetch(small.adapter_id)
+            side.reset(small.adapter_id)
+        for round_index in range(rounds):
+            order = list(sides.items())
+            shift = round_index % len(order)
+            for name, side in order[shift:] + order[:shift]:
+                started = time.perf_counter()
+                side.fetch(small.adapter_id)
+                times[name].append((time.perf_counter() - started) * 1000)
+                side.reset(small.adapter_id)
+    finally:
+        bare = sides.get("bare")
+        if isinstance(bare, BareLocal):
+            bare.close()
+        sup.stop_all()
+        shutil.rmtree(dest, ignore_errors=True)
+    lines = [f"\n{_size(small.size_bytes)} adapter from a local folder, {rounds} interleaved "
+             f"rounds, on {dest.parent}:\n",
+             "| client | median ms | quartiles ms |", "|---|---:|---|"]
+    for name, values in times.items():
+        low, _, high = statistics.quantiles(values, n=4)
+        lines.append(f"| {name} | {statistics.median(values):.2f} | {low:.2f}-{high:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.miss",
+        description="The small adapter's miss from a local folder against the bare copy, "
+        "many interleaved rounds (the full miss phase is `benchmarks/run.sh --phases miss`).")
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--dest", type=Path, default=Path("/dev/shm/lsbench-miss"),
+                        help="where the caches and copies go (default tmpfs; a folder on disk "
+                        "adds the fsyncs' cost)")
+    parser.add_argument("--compare", action="append", default=[], metavar="LABEL=PATH",
+                        help="also the sidecar package of another checkout (repeatable)")
+    args = parser.parse_args(argv)
+    compared = [(label, Path(path)) for label, _, path in
+                (spec.partition("=") for spec in args.compare)]
+    print(compare_small(args.rounds, args.dest, compared))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
