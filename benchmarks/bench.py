@@ -23,10 +23,11 @@ from types import FrameType
 from typing import Any
 
 from . import adapters as adapters_mod
-from . import hitpath, link
+from . import hitpath, link, miss
 from .adapters import Adapter
 from .clients import (
     Boto3Stager,
+    CrtStager,
     SidecarStager,
     Stager,
     aws_cli,
@@ -74,6 +75,7 @@ class Results:
     ceiling_mb_s: dict[str, float] = field(default_factory=dict)
     hit: dict[str, list[dict[str, float]]] = field(default_factory=dict)
     memory: dict[str, float] = field(default_factory=dict)
+    miss: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +151,10 @@ def alternatives(ctx: Context, server: S3Server) -> list[Stager]:
         aws_cli(ctx.tools.aws, server, ctx.env, dest / "aws"),
         s5cmd(ctx.tools.s5cmd, server, ctx.env, dest / "s5cmd"),
         s5cmd(ctx.tools.s5cmd, server, ctx.env, dest / "s5cmd-tuned", tuned=True),
+        CrtStager(ctx.tools.crt_python, server, ctx.env, dest / "awscrt",
+                  {a.adapter_id: [(f"{adapters_mod.PREFIX}/{a.adapter_id}/{p.name}",
+                                   p.stat().st_size) for p in a.files()]
+                   for a in ctx.adapters}),
     ]
 
 
@@ -259,6 +265,46 @@ def hit_phase(ctx: Context, sidecar: SidecarStager, adapter: Adapter, results: R
         ctx.sup.stop(bare)
 
 
+def miss_phase(ctx: Context, results: Results) -> None:
+    """A small adapter and the largest, staged cold from moto and from a local folder, each
+    beside the same listing and ranged GETs made bare (benchmarks/miss.py)."""
+    small = miss.small_adapter(ctx.work / "adapters")
+    chosen = [small, ctx.adapters[-1]]
+    policy = miss._policy()
+    runs = ctx.args.runs if ctx.args.quick else max(ctx.args.runs, 5)
+    moto = start_moto(ctx.sup)
+    try:
+        log("miss: uploading to moto")
+        adapters_mod.upload(s3_client(moto.endpoint_url), chosen)
+        sidecar = start_sidecar(ctx, moto)
+        bare = miss.BareS3(moto, ctx.dest / "miss-bare-moto", policy)
+        try:
+            # moto copies the whole object for every ranged GET: the largest adapter gets
+            # --moto-runs rounds, as in the moto phase.
+            found = miss.measure("moto", sidecar, bare, chosen[:1], runs, log)
+            found += miss.measure("moto", sidecar, bare, chosen[1:], ctx.args.moto_runs, log)
+        finally:
+            sidecar.close()
+            bare.close()
+    finally:
+        ctx.sup.stop(moto.proc)
+    results.miss += [asdict(r) for r in found]
+    command = ([str(REPO / ".venv" / "bin" / "lora-sidecar")] if ctx.args.sidecar_src is None
+               else [sys.executable, "-P", "-m", "sidecar"])
+    env = dict(ctx.env)
+    if ctx.args.sidecar_src is not None:
+        env["PYTHONPATH"] = str(ctx.args.sidecar_src.resolve())
+    sidecar = miss.local_sidecar(ctx.sup, command, ctx.work / "adapters",
+                                 ctx.dest / "miss-cache-local", env, tuple(ctx.args.sidecar_arg))
+    bare_local = miss.BareLocal(ctx.work / "adapters", ctx.dest / "miss-bare-local", policy)
+    try:
+        found = miss.measure("local folder", sidecar, bare_local, chosen, runs, log)
+    finally:
+        sidecar.close()
+        bare_local.close()
+    results.miss += [asdict(r) for r in found]
+
+
 # ---- report ---------------------------------------------------------------------------
 
 
@@ -307,6 +353,8 @@ def render(results: Results, adapters: list[Adapter]) -> str:
                 f"{side['p50_ms']:.2f} | {side['p99_ms']:.2f} | {bare['p50_ms']:.2f} | "
                 f"{bare['p99_ms']:.2f} | {side['cpu_us_per_request']:.0f} | "
                 f"{bare['cpu_us_per_request']:.0f} |")
+    if results.miss:
+        out.append(miss.render([miss.MissResult(**r) for r in results.miss]))
     if results.memory:
         m = results.memory
         out.append(f"\n### Memory\n\nPeak RSS (VmHWM) of a fresh sidecar staging the "
@@ -428,6 +476,8 @@ def run_phases(ctx: Context, results: Results) -> None:
                        runs=ctx.args.moto_runs)
         finally:
             ctx.sup.stop(moto.proc)
+    if "miss" in phases:
+        miss_phase(ctx, results)
     if "shaped" in phases:
         shaped = link.set_up(SHAPED_MBIT)
         try:

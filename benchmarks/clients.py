@@ -131,6 +131,27 @@ def s5cmd(
     return CommandStager("s5cmd cp, tuned" if tuned else "s5cmd cp", argv, env, dest)
 
 
+class CrtStager(CommandStager):
+    """awscrt's S3 client with the sidecar's checks (benchmarks/crt_get.py), timed as a whole
+    process like the other commands."""
+
+    def __init__(self, python: Path, server: S3Server, env: Mapping[str, str], dest: Path,
+                 objects: Mapping[str, list[tuple[str, int]]]) -> None:
+        script = str(Path(__file__).resolve().parent / "crt_get.py")
+        super().__init__("awscrt + the sidecar's checks",
+                         [str(python), script, server.endpoint_url, S3_REGION, BUCKET, "{dst}"],
+                         env, dest)
+        self._objects = objects  # adapter id -> (key, size) of each file
+
+    def fetch(self, adapter_id: str) -> Path:
+        argv = self._argv
+        self._argv = [*argv, *(f"{key}:{size}" for key, size in self._objects[adapter_id])]
+        try:
+            return super().fetch(adapter_id)
+        finally:
+            self._argv = argv
+
+
 class SidecarStager:
     """The real `lora-sidecar serve` in a process of its own; a fetch is one cold POST /stage,
     a reset releases the lease and evicts the adapter."""

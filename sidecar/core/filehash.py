@@ -1,5 +1,6 @@
 """The one file hasher: CRC-32 and SHA-256 of a file on disk in one pass, never following a
-link (the watcher's adoption, recovery's re-read, the SHA256SUMS check).
+link (the watcher's adoption, recovery's re-read, the SHA256SUMS check); and the CRC-32 every
+download computes.
 """
 
 from __future__ import annotations
@@ -7,12 +8,16 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from isal.isal_zlib import crc32 as crc32  # as: re-exported for the downloads
+
 CHUNK_BYTES = 1024 * 1024
+# `crc32` is ISA-L's (the same CRC-32 as zlib.crc32 and S3's ChecksumCRC32, with carry-less
+# multiplication): 0.008 s of CPU per 671 MB here against zlib's 0.145 s, which was a tenth of
+# a 671 MB stage's CPU and all of a restart's CRC-only check of the cache.
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +52,7 @@ def hash_fd(fd: int, *, sha256: bool = True,
         chunk = memoryview(buffer)[:got]
         if digest is not None:
             digest.update(chunk)
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         if feed is not None:
             feed(size_bytes, chunk)
         size_bytes += got

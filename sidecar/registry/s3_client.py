@@ -205,8 +205,9 @@ class S3Registry:
 
         head_task.add_done_callback(answer)
         try:
+            # Asked for outright, the hash need not wait for the HEAD's answer.
             digests = await download(reader.open, dest, file.size_bytes, self._policy, on_bytes,
-                                     sha256=wants_sha256, inspect=inspect)
+                                     sha256=True if sha256 else wants_sha256, inspect=inspect)
             head = await head_task
         finally:
             if not head_task.done():

@@ -1,6 +1,7 @@
 """Download one object into a pre-sized file: parallel ranged parts written with positional
 writes, a CRC-32 of each part computed from the bytes as they land (combined into the file's),
-SHA-256 in order alongside when the registry has one to compare, retries per part.
+SHA-256 in order alongside when asked for, retries per part. An object fetched as one range is
+hashed in the buffer its bytes land in; a larger one is read back in order from the page cache.
 
 Knows nothing of S3: the registry hands in `open_range`, which opens one ranged read. The bytes
 move in worker threads (socket -> buffer -> file, the GIL released in each system call), so
@@ -17,13 +18,13 @@ import logging
 import os
 import random
 import threading
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from ..core.errors import RegistryUnavailable, SidecarError
+from ..core.filehash import crc32
 from .checksum import crc32_combine
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,9 @@ class _Progress:
         self.done_upto = list(self.starts)
         self.crc32 = [0] * len(starts)  # of each part's bytes below done_upto
         self.changed = asyncio.Event()
+        # The SHA-256 of an object fetched as one range, fed in the worker thread with each
+        # chunk as it lands (in order, across retries): no second read, no job of its own.
+        self.inband: hashlib._Hash | None = None
 
     def advance(self, part: int, offset: int) -> None:
         self.done_upto[part] = offset
@@ -257,6 +261,9 @@ async def download(
     tasks: list[asyncio.Task[Any]] = []
     try:
         progress = _Progress(size_bytes, part_starts(size_bytes, policy))
+        if len(progress.starts) == 1 and sha256 is True:
+            progress.inband = hashlib.sha256()
+            sha256 = False  # the one range hashes its own bytes
         hasher = asyncio.create_task(
             _hash_if_wanted(sha256, dest, size_bytes, progress, threads))
         tasks.append(hasher)
@@ -269,6 +276,8 @@ async def download(
         tasks.extend(parts)
         await asyncio.gather(*parts)
         digest = await hasher
+        if progress.inband is not None:
+            digest = progress.inband.hexdigest()
         await threads.run(os.fsync, fd)
         crc = progress.crc32[0]
         for part in range(1, len(progress.starts)):
@@ -359,7 +368,8 @@ async def _stream_part(
     try:
         look = inspect.stream(offset) if inspect is not None else None
         copy = threads.submit(
-            _copy_range, stream, fd, offset, end, progress.crc32[part], report, look
+            _copy_range, stream, fd, offset, end, progress.crc32[part], report, look,
+            progress.inband,
         )
         reached, crc, error = await asyncio.wrap_future(copy)
         # Reports queued by the thread run before this line; set the final state regardless.
@@ -384,9 +394,11 @@ async def _stream_part(
 def _copy_range(
     stream: RangeStream, fd: int, offset: int, end: int, crc: int,
     report: Callable[[int, int, int], None], look: Callable[[int, memoryview], None] | None,
+    digest: hashlib._Hash | None = None,
 ) -> tuple[int, int, SidecarError | None]:
     """Worker thread: copy [offset, end) from the stream to the file a buffer at a time,
-    with a running CRC-32, handing each chunk to `look` last (it may overwrite the buffer).
+    with a running CRC-32 (and `digest` fed, when given), handing each chunk to `look` last
+    (it may overwrite the buffer).
     Returns how far it got, the CRC of the part up to there, and the fault that stopped it
     early, if any; bytes that arrived before a fault are kept."""
     buffer = bytearray(min(CHUNK_BYTES, end - offset))
@@ -406,7 +418,9 @@ def _copy_range(
         if got:
             chunk = view[:got]
             _pwrite_all(fd, [chunk], offset)
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
+            if digest is not None:
+                digest.update(chunk)
             if look is not None:
                 look(offset, chunk)
             offset += got

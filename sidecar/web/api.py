@@ -369,10 +369,11 @@ async def stage(request: web.Request) -> web.Response:
     body = await _body(request, "stage")
     adapter_id = check_adapter_id(body["adapter_id"])
     _in_scope(request, caller, "stage", adapter_id)
-    await _recovered(services, _stage_timeout(services, body))
+    timeout_s = _stage_timeout(services, body)
+    await _recovered(services, timeout_s)
     refused = body.get("engine_refused")
     named = await services.naming.stage(
-        adapter_id, timeout_s=_stage_timeout(services, body), lease=body.get("lease", True),
+        adapter_id, timeout_s=timeout_s, lease=body.get("lease", True),
         hold_s=float(body.get("hold_s", 0.0)),
         refused=None if refused is None else EngineRefusal.from_json(refused))
     return web.Response(text=_stage_json(services, named), content_type="application/json")

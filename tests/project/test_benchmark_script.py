@@ -34,7 +34,7 @@ def test_missing_tools_are_named_with_their_package(
     problems = missing_prerequisites(set(PHASES), is_root=False)
     text = "\n".join(problems)
     assert "the shaped link needs root" in problems[0]
-    assert "--phases loopback,moto,memory,hit" in problems[0]
+    assert "--phases loopback,moto,memory,hit,miss" in problems[0]
     for fragment in ("apt-get install nodejs", "apt-get install npm", "apt-get install wrk",
                      "apt-get install iproute2", "apt-get install util-linux"):
         assert fragment in text

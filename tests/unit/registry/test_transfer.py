@@ -4,8 +4,10 @@ land every byte at its offset even when the kernel takes fewer bytes than offere
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import threading
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sidecar.core.errors import RegistryUnavailable
 from sidecar.registry import transfer
 from tests.support.waiting import eventually
 
@@ -292,7 +295,7 @@ async def test_the_hasher_never_closes_a_file_a_thread_still_reads(
     cleaning_up = _cleaning_up(monkeypatch)
     dest = tmp_path / "f"
     data = os.urandom(100_000)
-    policy = transfer.TransferPolicy(8 << 20, 1, asyncio.Semaphore(1), 1)
+    policy = transfer.TransferPolicy(50_000, 1, asyncio.Semaphore(1), 1)  # two ranges: read back
     download = asyncio.create_task(transfer.download(
         lambda start, end: _BytesRange(data, start, end), dest, len(data), policy,
         sha256=True))
@@ -310,3 +313,32 @@ async def test_the_hasher_never_closes_a_file_a_thread_still_reads(
         os.close(fd)
     assert read_from == [str(dest)]
     await eventually(lambda: not _open_to(dest), timeout_s=5, poll_s=0.01, what="the file closed")
+
+
+class _BreaksOnce(_BytesRange):
+    """A range whose first read of a whole object ends early with a transient fault, after
+    some bytes arrived: the retry resumes after them."""
+
+    broken = False
+
+    def readinto(self, buffer: memoryview) -> int:
+        if not _BreaksOnce.broken and self._offset > 0:
+            _BreaksOnce.broken = True
+            raise RegistryUnavailable("the connection dropped", cause="connection")
+        return super().readinto(buffer[:70_000])
+
+
+@pytest.mark.parametrize("part_size", [8 << 20, 150_000], ids=["one range", "two ranges"])
+async def test_the_sha256_is_of_every_byte_in_order_across_a_retry(
+    tmp_path: Path, part_size: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_BreaksOnce, "broken", False)
+    monkeypatch.setattr(transfer, "backoff_s", lambda attempt: 0.0)
+    data = os.urandom(300_000)
+    policy = transfer.TransferPolicy(part_size, 3, asyncio.Semaphore(2), 2)
+    got = await transfer.download(lambda start, end: _BreaksOnce(data, start, end),
+                                  tmp_path / "f", len(data), policy, sha256=True)
+    assert _BreaksOnce.broken
+    assert got.sha256 == hashlib.sha256(data).hexdigest()
+    assert got.crc32 == zlib.crc32(data)
+    assert (tmp_path / "f").read_bytes() == data
