@@ -6,11 +6,16 @@ between its workers, safe by default for tests written later:
 - the heavy tiers, tests/engine and tests/compose_up, are one unit together, handed out first:
   their tests are the longest, each fills both cores of a small machine on its own (vLLM on
   CPU, image builds), and both build the engine's assets into the same folder of pytest's cache.
-  So no two engines ever run at once, and the other worker takes every other module meanwhile.
+  So no two engines ever run at once, and the other worker takes every other module meanwhile;
+- the other modules are handed out in the order they are collected, not by their number of
+  tests (xdist's default): tests/behaviour's long single tests (several nodes, repeated crashes)
+  then start early, and tests/unit's many short modules come last and even out the end.
 """
 
 from __future__ import annotations
 
+import pytest
+from xdist.remote import Producer
 from xdist.scheduler import LoadScopeScheduling
 from xdist.workermanage import WorkerController
 
@@ -27,6 +32,10 @@ def unit_of(nodeid: str) -> str:
 
 class TierScheduling(LoadScopeScheduling):
     """xdist's scheduling by scope, with the units above and the heavy one first."""
+
+    def __init__(self, config: pytest.Config, log: Producer | None = None) -> None:
+        config.option.loadscopereorder = False  # read by schedule(): collection order
+        super().__init__(config, log)
 
     def _split_scope(self, nodeid: str) -> str:
         return unit_of(nodeid)
