@@ -5,7 +5,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: run test test-fast engine-env lint system-deps docker-deps clean
+.PHONY: run test test-fast test-installs test-system-deps engine-env lint system-deps docker-deps clean
 
 # INSTALLER=uv (default) or pip: what installs the project into the venv. uv (pinned, the one
 # scripts/engine-env.sh uses, put into the venv by its own pip) downloads and installs in
@@ -46,13 +46,27 @@ run: $(VENV)/.run-deps
 
 ## test: the whole test suite, system packages (Prometheus, docker-compose, HAProxy, a Docker
 ## engine) and the real engine's environment (vLLM on CPU, scripts/engine-env.sh) included
-test: $(VENV)/.test-deps system-deps docker-deps engine-env
-	$(BIN)/python -m pytest -q
+test: test-installs
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+
+# pytest-xdist workers: tests/support/scheduling.py keeps a module on one worker and the engine
+# and Docker tiers on one, one test at a time; the other worker runs the rest meanwhile.
+TEST_WORKERS ?= 2
+
+# The engine's environment (about 3 minutes of downloads from cold) is built while the test venv
+# and the Debian packages install; the output of each comes whole when it is done.
+test-installs:
+	$(MAKE) --no-print-directory -j2 --output-sync=target engine-env test-system-deps
+
+# apt-get takes one lock: the two lists one after the other. kubectl goes into the venv.
+test-system-deps: $(VENV)/.test-deps
+	$(MAKE) --no-print-directory system-deps
+	$(MAKE) --no-print-directory docker-deps
 
 ## test-fast: everything but the tests of the real engine and of a real Docker engine, which
 ## is neither installed nor needed for it
 test-fast: $(VENV)/.test-deps system-deps
-	$(BIN)/python -m pytest -q -m "not engine and not docker"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not engine and not docker"
 
 ## engine-env: .engine-venv/ (or $$LORA_ENGINE_VENV); instant when already built
 engine-env:

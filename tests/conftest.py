@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -15,10 +16,32 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.config import Settings
 from sidecar.process.app import Sidecar
+from tests.support import summary
 from tests.support.api import StartSidecar
 from tests.support.processes import SidecarProcess
 from tests.support.s3 import BUCKET, S3Registry, reset_moto
 from tests.support.s3proxy import S3Proxy
+from tests.support.scheduling import TierScheduling
+
+# ---- the run: parallel workers, the tiers' summaries ---------------------------------------
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> TierScheduling | None:
+    """`-n N` shares the tests out by module, the heavy tiers as one unit (tests.support.
+    scheduling); another `--dist` than xdist's default is run as asked."""
+    if config.getvalue("dist") in ("load", "loadscope"):
+        return TierScheduling(config, log)
+    return None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    summary.receive(node.config, getattr(node, "workeroutput", {}))
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    summary.write(config, terminalreporter)
 
 
 @pytest.fixture(autouse=True)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.compose_up.docker import Docker, docker_engine
 from tests.engine.harness import EngineAssets, build_assets, ensure_engine_env
+from tests.support import summary
 
 # Figures measured by the run (build times, image sizes, time to healthy, ...), printed in the
 # terminal summary.
@@ -27,14 +27,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.docker)
 
 
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if not FIGURES and not NOTES:
-        return
-    terminalreporter.write_sep("-", "compose node: measured")
-    for name, value in FIGURES.items():
-        terminalreporter.write_line(f"{name}: {value}")
-    for note in NOTES:
-        terminalreporter.write_line(f"note: {note}")
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if FIGURES or NOTES:
+        summary.add(session.config, summary.Section(
+            "compose node: measured",
+            [*(f"{name}: {value}" for name, value in FIGURES.items()),
+             *(f"note: {note}" for note in NOTES)]))
 
 
 @pytest.fixture(scope="session")

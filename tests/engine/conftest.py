@@ -23,6 +23,7 @@ from tests.engine.harness import (
     find_vllm_backend,
 )
 from tests.engine.node import EngineNode, start_node
+from tests.support import summary
 
 _BACKEND: dict[str, BackendLookup] = {}
 # Figures the tests measured (engine load, cold call, ...), printed in the terminal summary.
@@ -36,23 +37,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.engine)
 
 
-def pytest_terminal_summary(terminalreporter: Any) -> None:
+def pytest_sessionfinish(session: pytest.Session) -> None:
     if FIGURES:
-        terminalreporter.write_sep("-", "engine tier: measured")
-        for name, value in FIGURES.items():
-            terminalreporter.write_line(f"{name}: {value}")
+        summary.add(session.config, summary.Section(
+            "engine tier: measured", [f"{name}: {value}" for name, value in FIGURES.items()]))
     lookup = _BACKEND.get("lookup")
     if lookup is None or lookup.path is not None:
         return
-    writer = terminalreporter
-    writer.write_sep("!", "ENGINE TIER: THE STOCK TRITON vLLM BACKEND WAS NOT FOUND", red=True,
-                     bold=True)
-    writer.write_line("The tests of the real chain (Triton + stock backend + vLLM) were SKIPPED.")
-    writer.write_line("Tried:")
-    for attempt in lookup.tried:
-        writer.write_line(f"  - {attempt}")
-    writer.write_line(lookup.fix())
-    writer.write_sep("!", "", red=True, bold=True)
+    summary.add(session.config, summary.Section(
+        "ENGINE TIER: THE STOCK TRITON vLLM BACKEND WAS NOT FOUND",
+        ["The tests of the real chain (Triton + stock backend + vLLM) were SKIPPED.", "Tried:",
+         *(f"  - {attempt}" for attempt in lookup.tried), lookup.fix()],
+        alarm=True))
 
 
 @pytest.fixture(scope="session")

@@ -105,10 +105,15 @@ def test_without_the_signing_extra_the_sidecar_serves_and_a_policy_says_what_to_
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     bin_dir = venv / "bin"
-    installed = subprocess.run(
-        [str(bin_dir / "python"), "-m", "pip", "install", "--quiet",
-         "--disable-pip-version-check", "-e", str(REPO)],
-        capture_output=True, text=True, timeout=900)
+    # The installer `make run` uses: uv, which make put beside this interpreter (INSTALLER=uv,
+    # the default; a quarter of pip's time here), else pip (INSTALLER=pip).
+    uv = Path(sys.executable).parent / "uv"
+    install = ([str(uv), "pip", "install", "--quiet", "--native-tls", "--python",
+                str(bin_dir / "python")] if uv.is_file() else
+               [str(bin_dir / "python"), "-m", "pip", "install", "--quiet",
+                "--disable-pip-version-check"])
+    installed = subprocess.run([*install, "-e", str(REPO)], capture_output=True, text=True,
+                               timeout=900)
     assert installed.returncode == 0, installed.stderr[-3000:]
     for module in ("model_signing", "cryptography", "sigstore"):
         found = subprocess.run([str(bin_dir / "python"), "-c", f"import {module}"],
