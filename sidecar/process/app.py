@@ -78,7 +78,8 @@ class Sidecar:
     def __init__(self, settings: Settings, metrics_registry: CollectorRegistry | None = None, *,
                  lock: CacheLock | None = None) -> None:
         self.settings = settings
-        self.metrics = Metrics(metrics_registry)
+        self.metrics = Metrics(metrics_registry,
+                               eviction_policy=settings.eviction_policy.value)
         self.health = Health()
         self.rules = Rules.from_settings(settings)
         # The catalog first: the store tells it of every folder that leaves adapters/.
@@ -95,6 +96,7 @@ class Sidecar:
             pinned=settings.pin,
             metrics=self.metrics,
             listener=self.catalog,
+            eviction_policy=settings.eviction_policy,
         )
         policy = TransferPolicy(
             part_size_bytes=settings.part_size_bytes,
@@ -364,7 +366,8 @@ def serve(settings: Settings, lock: CacheLock | None = None) -> int:
     if not is_loopback(settings.host) and settings.api_token is None:
         log.warning("binding to %s without --api-token: anyone who can reach this port can "
                     "evict and pin adapters", settings.host)
-    log.info("settings: %s", settings.changes(),
+    log.info("settings: %s (eviction policy %s)", settings.changes(),
+             settings.eviction_policy.value,
              extra=fields(event="settings", settings=settings.describe()))
     try:
         return asyncio.run(_run(settings, lock))
