@@ -21,7 +21,7 @@ IsProtected = Callable[[str], bool]
 
 # Counts are halved every AGING x (adapters on disk) requests: chosen by benchmarks/policy.py
 # (its README section says why).
-AGING = 10
+AGING = 15
 
 
 class EvictionPolicy:
@@ -225,21 +225,30 @@ class S3Fifo(_Queues):
 
 class WTinyLfu(_Queues):
     """W-TinyLFU (Einziger et al., as Caffeine runs it): new adapters enter a small LRU window
-    (WINDOW of the budget); the one leaving it duels the main cache's next victim and the one
-    asked for less often (by the sketch) goes. Main is a segmented LRU: probation, and a
-    protected segment (PROTECTED of the budget) for adapters used again there."""
+    (WINDOW of the budget); those pushed out of it join probation as candidates, and when room
+    is needed the newest candidate duels probation's least recently used: the one asked for
+    less often (by the sketch) goes. Main is a segmented LRU: probation, and a protected
+    segment (PROTECTED of the budget) for adapters used again there."""
 
     name = EvictionPolicyName.TINYLFU
     QUEUES = ("window", "probation", "protected")
     WINDOW = 0.01
     PROTECTED = 0.8
 
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._candidates: OrderedDict[str, None] = OrderedDict()  # left the window, undecided
+
     def admitted(self, adapter: CachedAdapter, *, newest: bool) -> None:
         super().admitted(adapter, newest=newest)
-        if newest:
-            self._put("window", adapter.adapter_id, adapter.size_bytes)
-        else:
+        if not newest:
             self._put("probation", adapter.adapter_id, adapter.size_bytes, first=True)
+            return
+        self._put("window", adapter.adapter_id, adapter.size_bytes)
+        while self._over("window", self.WINDOW, set()):
+            leaving = next(iter(self._queues["window"]))
+            self._put("probation", leaving, self._queues["window"][leaving])
+            self._candidates[leaving] = None
 
     def used(self, adapter_id: str) -> None:
         super().used(adapter_id)
@@ -247,10 +256,15 @@ class WTinyLfu(_Queues):
         if queue == "window" or queue == "protected":
             self._queues[queue].move_to_end(adapter_id)
         elif queue == "probation":
+            self._candidates.pop(adapter_id, None)
             self._put("protected", adapter_id, self._queues["probation"][adapter_id])
             while self._over("protected", self.PROTECTED, set()):
                 demoted = next(iter(self._queues["protected"]))
                 self._put("probation", demoted, self._queues["protected"][demoted])
+
+    def evicted(self, adapter_id: str) -> None:
+        super().evicted(adapter_id)
+        self._candidates.pop(adapter_id, None)
 
     def order(self, index: LruIndex, is_protected: IsProtected) -> Iterator[CachedAdapter]:
         gone: set[str] = set()
@@ -259,19 +273,16 @@ class WTinyLfu(_Queues):
             return adapter_id in gone or is_protected(adapter_id)
 
         while True:
-            victim = None
-            candidate = self._first("window", skip) if self._over(
-                "window", self.WINDOW, gone) else None
-            if candidate is not None:
-                # The duel: the candidate leaves the window for probation, against its head.
-                rival = self._first("probation", skip) or self._first("protected", skip)
-                self._put("probation", candidate, self._queues["window"][candidate])
-                if rival is None:
-                    continue  # main has room for it: nothing evicted yet
+            candidate = next((c for c in reversed(self._candidates) if not skip(c)), None)
+            head = next((i for i in self._queues["probation"]
+                         if not skip(i) and i != candidate), None)
+            if candidate is not None and head is not None:
                 estimate = self.sketch.estimate
-                victim = rival if estimate(candidate) > estimate(rival) else candidate
+                victim = head if estimate(candidate) > estimate(head) else candidate
+                winner = candidate if victim == head else head
+                self._candidates.pop(winner, None)  # admitted to main: no longer on trial
             else:
-                victim = (self._first("probation", skip) or self._first("protected", skip)
+                victim = (candidate or head or self._first("protected", skip)
                           or self._first("window", skip))
             if victim is None:
                 return
