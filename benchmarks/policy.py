@@ -357,9 +357,8 @@ def draw_curves(rows: list[Row], path: Path) -> None:
         span = (hi - lo) or 1.0
 
         def sx(f: float, lo: float = lo, span: float = span, px0: int = px0,
-               px1: int = px1) -> float:
-            return px0 + (math.log(f) - lo) / span * (px1 - px0) if len(xs) > 1 else (
-                (px0 + px1) / 2)
+               px1: int = px1, single: bool = len(xs) == 1) -> float:
+            return (px0 + px1) / 2 if single else px0 + (math.log(f) - lo) / span * (px1 - px0)
 
         def sy(v: float, py0: int = py0, py1: int = py1) -> float:
             return py0 - v * (py0 - py1)
@@ -433,7 +432,8 @@ def replay_over_http(policy: EvictionPolicyName, requests: Sequence[str], room: 
                 break
             except OSError:
                 if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the sidecar did not start: see {work}/sidecar.log")
+                    raise RuntimeError(
+                        f"the sidecar did not start: see {work}/sidecar.log") from None
                 time.sleep(0.05)
         return [bool(_post(f"{url}/stage", {"adapter_id": adapter_id, "lease": False})[
             "cached"]) for adapter_id in requests]

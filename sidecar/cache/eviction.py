@@ -273,6 +273,7 @@ class WTinyLfu(_Queues):
             return adapter_id in gone or is_protected(adapter_id)
 
         while True:
+            victim: str | None
             candidate = next((c for c in reversed(self._candidates) if not skip(c)), None)
             head = next((i for i in self._queues["probation"]
                          if not skip(i) and i != candidate), None)

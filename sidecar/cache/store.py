@@ -422,8 +422,12 @@ class AdapterStore:
         free = shutil.disk_usage(self.root).free - self.min_free_bytes
         victims: list[str] = []
         freed = 0
-        for candidate in self._policy.order(self._index, self.is_protected):
-            if free + freed >= needed_bytes:
+        # Asked for a victim only when one is needed: choosing can move adapters between the
+        # policy's queues (S3-FIFO, W-TinyLFU).
+        candidates = self._policy.order(self._index, self.is_protected)
+        while free + freed < needed_bytes:
+            candidate = next(candidates, None)
+            if candidate is None:
                 break
             victims.append(candidate.adapter_id)
             freed += candidate.size_bytes
