@@ -134,7 +134,6 @@ class _Queues(EvictionPolicy):
         queue = self._where.get(adapter_id)
         if queue is not None:
             shown["queue"] = queue
-            shown["position"] = list(self._queues[queue]).index(adapter_id)
         return shown
 
 
@@ -174,6 +173,12 @@ class S3Fifo(_Queues):
             self._fresh.discard(adapter_id)
         elif adapter_id in self._uses:
             self._uses[adapter_id] = min(self._uses[adapter_id] + 1, 3)
+
+    def standing(self, adapter_id: str) -> dict[str, int | str]:
+        shown = super().standing(adapter_id)
+        if adapter_id in self._uses:
+            shown["uses"] = self._uses[adapter_id]  # since it entered its queue, at most 3
+        return shown
 
     def evicted(self, adapter_id: str) -> None:
         if self._where.get(adapter_id) == "small":

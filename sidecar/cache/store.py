@@ -208,7 +208,7 @@ class AdapterStore:
 
     def install(self, records: Iterable[AdapterRecord], *, leases: Iterable[JournalLease] = (),
                 lease_journal: LeaseJournal | None = None) -> Installed:
-        """Put recovered records into the index, oldest staged first (the LRU order), take back
+        """Put recovered records into the index, oldest staged first (the recency order), take back
         the leases a previous process granted on them (before anything is trimmed) and the lease
         journal that records new ones, then trim to the budget."""
         for record in sorted(records, key=lambda r: r.staged_at):
@@ -265,7 +265,7 @@ class AdapterStore:
     def total_bytes(self) -> int:
         return sum(a.size_bytes for a in self._index.values())
 
-    # ---- hit path: lookup, LRU touch, lease ---------------------------------------------
+    # ---- hit path: lookup, touch (recency and count), lease ---------------------------
 
     def lease(self, adapter_id: str) -> Lease:
         """Touch and lease a cached adapter (KeyError if it is not cached). The grant is in
@@ -402,7 +402,7 @@ class AdapterStore:
             self._reservations.remove(reservation)
 
     def _make_budget_room(self, incoming_bytes: int, incoming_adapters: int) -> None:
-        """Evict LRU adapters until the downloads about to land fit the budget beside what
+        """Evict in eviction order until the downloads about to land fit the budget beside what
         stays: the bytes under the cache root never exceed --max-bytes, not even while a new
         adapter is written (reserve() checked that enough can be made free)."""
         while (self.total_bytes + incoming_bytes > self.max_bytes
@@ -413,7 +413,7 @@ class AdapterStore:
             self._evict_now(victim.adapter_id, EvictReason.POLICY)
 
     def _make_disk_room(self, adapter_id: str, needed_bytes: int) -> None:
-        """Evict LRU adapters until the disk will hold `needed_bytes` above the free-space floor.
+        """Evict in eviction order until the disk will hold `needed_bytes` above the free-space floor.
 
         An evicted folder frees its blocks only once it is deleted from `.trash/` (the caller
         awaits settle_trash() before writing), so free space is counted as measured plus what
