@@ -1,1 +1,1 @@
-"""The disk cache: records, admission, recovery, eviction policy, leases, pins, budget, single flight."""
+"""The disk cache: records, admission, recovery, eviction, leases, pins, budget, single flight."""

@@ -413,7 +413,7 @@ class AdapterStore:
             self._evict_now(victim.adapter_id, EvictReason.POLICY)
 
     def _make_disk_room(self, adapter_id: str, needed_bytes: int) -> None:
-        """Evict in eviction order until the disk will hold `needed_bytes` above the free-space floor.
+        """Evict in eviction order until the disk holds `needed_bytes` above the free floor.
 
         An evicted folder frees its blocks only once it is deleted from `.trash/` (the caller
         awaits settle_trash() before writing), so free space is counted as measured plus what
