@@ -199,3 +199,23 @@ async def test_a_store_under_lru_still_keeps_and_shows_the_counts(tmp_path: Path
 def test_every_policy_name_has_its_class() -> None:
     assert set(POLICIES) == set(EvictionPolicyName)
     assert isinstance(make_policy(EvictionPolicyName.LFU, max_bytes=1, max_adapters=1), AgedLfu)
+
+
+async def test_counts_are_saved_when_changed_and_due_not_otherwise(tmp_path: Path) -> None:
+    counting = store(tmp_path)
+    counting.prepare()
+    (tmp_path / "adapters" / "a").mkdir()
+    counting.install([record("a")])
+    assert not counting.frequency_save_due(every_s=0)  # nothing counted yet
+    counting.touch("a")
+    assert counting.frequency_save_due(every_s=0)
+    assert not counting.frequency_save_due(every_s=3600)  # changed, but saved too recently
+
+    await counting.save_frequencies()
+
+    assert not counting.frequency_save_due(every_s=0)
+    assert not (tmp_path / f"{FREQUENCY_FILE_NAME}.new").exists()
+    reloaded = store(tmp_path)
+    reloaded.prepare()
+    assert reloaded.standing("a")["count"] == 1
+    await counting.close()
