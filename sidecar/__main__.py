@@ -24,9 +24,9 @@ SERVE_SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "registry", "s3_endpoint_url", "s3_region", "s3_connect_timeout_s",
         "s3_read_timeout_s", "s3_max_attempts", "part_size_bytes", "download_concurrency")),
     ("the cache volume shared with Triton, its budget and leases", (
-        "cache_root", "triton_cache_root", "max_bytes", "max_adapters", "min_free_bytes", "pin",
-        "lease_ttl_s", "max_leases", "stage_timeout_s", "refusal_ttl_s", "not_found_ttl_s",
-        "upload_settle_s")),
+        "cache_root", "triton_cache_root", "max_bytes", "max_adapters", "eviction_policy",
+        "min_free_bytes", "pin", "lease_ttl_s", "max_leases", "stage_timeout_s",
+        "refusal_ttl_s", "not_found_ttl_s", "upload_settle_s")),
     ("validation, what the engine can serve", (
         "engine_config", "max_lora_rank", "allowed_target_modules", "base_model",
         "base_model_config", "signing_policy")),

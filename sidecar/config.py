@@ -46,6 +46,15 @@ from .validation.engine_config import EngineConfig
 from .validation.options import ValidationOptions, take_engine_limits
 
 
+class EvictionPolicyName(Enum):
+    """The eviction policies of cache/eviction.py."""
+
+    LFU = "lfu"  # aged LFU
+    LRU = "lru"
+    S3FIFO = "s3-fifo"
+    TINYLFU = "w-tinylfu"
+
+
 class TritonReload(Enum):
     NEVER = "never"
     ON_CHANGE = "on-change"
@@ -169,11 +178,16 @@ class Settings(ValidationOptions, RegistryOptions):
         "the template stays read-only", "DIR")
     max_bytes: int = option(
         "--max-bytes", positive(parse_size), "20GiB",
-        "byte budget of the cache (e.g. 500GiB); least recently used adapters are evicted",
-        "SIZE")
+        "byte budget of the cache (e.g. 500GiB); past it adapters are evicted, in the order of "
+        "--eviction-policy", "SIZE")
     max_adapters: int = option(
         "--max-adapters", at_least(parse_int, 1, "at least 1"), "256",
         "most adapters kept on disk at once", "N")
+    eviction_policy: EvictionPolicyName = option(
+        "--eviction-policy", lambda t: parse_enum(EvictionPolicyName, t), "lfu",
+        "which unused adapter goes first when room is needed: lfu (the fewest requests lately, "
+        "counts kept across evictions and restarts and halved as they age), lru, s3-fifo or "
+        "w-tinylfu", "POLICY")
     min_free_bytes: int = option(
         "--min-free-disk", parse_size, "256MiB",
         "refuse a stage that would leave less than this free on the cache filesystem", "SIZE")

@@ -1,1 +1,1 @@
-"""The disk cache: records, admission, recovery, LRU order, leases, pins, budget, single flight."""
+"""The disk cache: records, admission, recovery, eviction, leases, pins, budget, single flight."""

@@ -1,5 +1,5 @@
-"""The lease sweep: ends expired leases and keeps the lease journal short, as a background task
-the app runs and cancels.
+"""The lease sweep: ends expired leases, keeps the lease journal short and saves the request
+counts now and then, as a background task the app runs and cancels.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 
 async def sweep_leases(store: AdapterStore) -> None:
     """Forever: end expired leases (the store trims what they held), flush and compact the
-    lease journal."""
+    lease journal, save the request counts when due."""
     while True:
         try:
             store.expire_leases()
@@ -26,6 +26,8 @@ async def sweep_leases(store: AdapterStore) -> None:
                         journal.begin_compaction()):
                     await asyncio.to_thread(journal.merge)  # the loop appends meanwhile
                 journal.close_if_idle()
+            if store.frequency_save_due():
+                await store.save_frequencies()
         except Exception:
             log.exception("lease expiry failed")
         delay = store.seconds_to_next_expiry()

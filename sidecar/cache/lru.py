@@ -1,6 +1,7 @@
-"""The least-recently-used order of cached adapters, and the one rule choosing what goes first.
+"""The index of cached adapters in least-recently-used order, and LRU's eviction order.
 
-A different eviction order (size-aware, by age) is a change to `eviction_order` alone.
+The other policies (eviction.py) break ties by this order; which policy runs is
+--eviction-policy.
 """
 
 from __future__ import annotations

@@ -23,14 +23,17 @@ from datetime import UTC, datetime
 from enum import Enum
 from pathlib import Path
 
+from ..config import EvictionPolicyName, Settings
 from ..core.errors import AdapterInUse, CacheFull, NotCached
 from ..core.fsutil import remove_tree
 from ..core.logs import fields
 from ..core.metrics import Metrics
 from ..core.units import format_size
+from .eviction import EvictionPolicy, make_policy
+from .frequency import FrequencySketch, load_sketch, save_sketch
 from .lease_journal import LEASE_JOURNAL_NAME, JournalLease, LeaseJournal
 from .leases import Lease, LeaseTable
-from .lru import CachedAdapter, LruIndex, eviction_order
+from .lru import CachedAdapter, LruIndex
 from .pins import Pins
 from .records import (
     RECORD_NAME,
@@ -41,6 +44,8 @@ from .records import (
 )
 
 log = logging.getLogger(__name__)
+
+FREQUENCY_SAVE_S = 30.0  # the request counts are written at most this often, and at shutdown
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +123,7 @@ class StoreListener:
 
 
 class EvictReason(Enum):
-    LRU = "lru"
+    POLICY = "policy"  # chosen by the eviction policy to make room
     MANUAL = "manual"
     FORCED = "forced"
     EXTERNAL = "external"
@@ -139,6 +144,7 @@ class AdapterStore:
         listener: StoreListener | None = None,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        eviction_policy: EvictionPolicyName | None = None,  # None: --eviction-policy's default
     ) -> None:
         self.root = root
         self.adapters_dir = root / "adapters"
@@ -153,6 +159,11 @@ class AdapterStore:
         self._clock = clock  # the wall clock: staged_at, last_used, what callers read
         self._monotonic = monotonic  # lease expiry: immune to the wall clock being stepped
         self._index = LruIndex()
+        self._policy_name = eviction_policy or Settings().eviction_policy
+        self._policy = self._new_policy(FrequencySketch())
+        self._frequency_saved = time.monotonic()
+        self._frequency_saved_mark = (0, 0)  # the sketch's (halvings, since_halving) saved
+        self._frequency_saving: asyncio.Future[None] | None = None
         self._leases = LeaseTable(lease_ttl_s, max_leases, metrics, clock, monotonic)
         self._claims: dict[str, int] = {}  # callers waiting to lease an adapter being staged
         self._reservations: list[Reservation] = []
@@ -163,6 +174,14 @@ class AdapterStore:
         self._trash_pending: list[Path] = []
         self._listener = listener or StoreListener()
         self._deleting: set[asyncio.Future[None]] = set()  # evicted folders being deleted
+
+    def _new_policy(self, sketch: FrequencySketch) -> EvictionPolicy:
+        return make_policy(self._policy_name, max_bytes=self.max_bytes,
+                           max_adapters=self.max_adapters, sketch=sketch)
+
+    @property
+    def eviction_policy(self) -> EvictionPolicyName:
+        return self._policy_name
 
     @property
     def lease_journal_path(self) -> Path:
@@ -181,6 +200,9 @@ class AdapterStore:
         for probe in self.root.glob(".write-probe.*"):  # left by a process killed mid-probe
             if probe.name != own_probe:
                 probe.unlink(missing_ok=True)
+        sketch = load_sketch(self.root)  # before install(): nothing is indexed yet
+        if sketch is not None:
+            self._policy = self._new_policy(sketch)
 
     def published_folders(self) -> list[Path]:
         """Every entry of `adapters/` (blocking: run in a thread)."""
@@ -220,11 +242,13 @@ class AdapterStore:
 
     def install(self, records: Iterable[AdapterRecord], *, leases: Iterable[JournalLease] = (),
                 lease_journal: LeaseJournal | None = None) -> Installed:
-        """Put recovered records into the index, oldest staged first (the LRU order), take back
+        """Put recovered records into the index, oldest staged first (the recency order), take back
         the leases a previous process granted on them (before anything is trimmed) and the lease
         journal that records new ones, then trim to the budget."""
         for record in sorted(records, key=lambda r: r.staged_at):
-            self._index.add_newest(CachedAdapter(record, last_used=record.staged_at))
+            adapter = CachedAdapter(record, last_used=record.staged_at)
+            self._index.add_newest(adapter)
+            self._policy.admitted(adapter, newest=True)
         restored = self._leases.restore(
             lease for lease in leases if lease.adapter_id in self._index)
         if lease_journal is not None:
@@ -246,6 +270,10 @@ class AdapterStore:
 
     def get(self, adapter_id: str) -> CachedAdapter | None:
         return self._index.get(adapter_id)
+
+    def standing(self, adapter_id: str) -> dict[str, int | str]:
+        """What decides the adapter's turn to be evicted (its count, its queue)."""
+        return self._policy.standing(adapter_id)
 
     def adapters(self) -> list[CachedAdapter]:
         """Every cached adapter, most recently used first."""
@@ -271,7 +299,7 @@ class AdapterStore:
     def total_bytes(self) -> int:
         return sum(a.size_bytes for a in self._index.values())
 
-    # ---- hit path: lookup, LRU touch, lease ---------------------------------------------
+    # ---- hit path: lookup, touch (recency and count), lease ---------------------------
 
     def lease(self, adapter_id: str) -> Lease:
         """Touch and lease a cached adapter (KeyError if it is not cached). The grant is in
@@ -280,6 +308,7 @@ class AdapterStore:
         now = self._clock()
         adapter.last_used = now
         self._index.touch(adapter_id)
+        self._policy.used(adapter_id)
         at_cap = len(self._leases) >= self._leases.max_leases
         lease = self._leases.grant(adapter_id, now)
         if at_cap:  # the oldest lease ended early: what it held may have to go
@@ -290,6 +319,7 @@ class AdapterStore:
         adapter = self._index[adapter_id]
         adapter.last_used = self._clock()
         self._index.touch(adapter_id)
+        self._policy.used(adapter_id)
 
     def release(self, lease_id: str) -> Lease:
         lease = self._leases.release(lease_id)
@@ -549,18 +579,18 @@ class AdapterStore:
         self._wake_first()
 
     def _make_budget_room(self, incoming_bytes: int, incoming_adapters: int) -> None:
-        """Evict LRU adapters until the downloads about to land fit the budget beside what
+        """Evict in eviction order until the downloads about to land fit the budget beside what
         stays: the bytes under the cache root never exceed --max-bytes, not even while a new
         adapter is written (reserve() checked that enough can be made free)."""
         while (self.total_bytes + incoming_bytes > self.max_bytes
                or len(self._index) + incoming_adapters > self.max_adapters):
-            victim = next(eviction_order(self._index, self.is_protected), None)
+            victim = next(self._policy.order(self._index, self.is_protected), None)
             if victim is None:
                 break  # held by leases and pins; reserve() said they will be released
-            self._evict_now(victim.adapter_id, EvictReason.LRU)
+            self._evict_now(victim.adapter_id, EvictReason.POLICY)
 
     def _make_disk_room(self, adapter_id: str, needed_bytes: int) -> None:
-        """Evict LRU adapters until the disk will hold `needed_bytes` above the free-space floor.
+        """Evict in eviction order until the disk holds `needed_bytes` above the free floor.
 
         An evicted folder frees its blocks only once it is deleted from `.trash/` (the caller
         awaits settle_trash() before writing), so free space is counted as measured plus what
@@ -569,8 +599,12 @@ class AdapterStore:
         free = shutil.disk_usage(self.root).free - self.min_free_bytes
         victims: list[str] = []
         freed = 0
-        for candidate in eviction_order(self._index, self.is_protected):
-            if free + freed >= needed_bytes:
+        # Asked for a victim only when one is needed: choosing can move adapters between the
+        # policy's queues (S3-FIFO, W-TinyLFU).
+        candidates = self._policy.order(self._index, self.is_protected)
+        while free + freed < needed_bytes:
+            candidate = next(candidates, None)
+            if candidate is None:
                 break
             victims.append(candidate.adapter_id)
             freed += candidate.size_bytes
@@ -585,7 +619,7 @@ class AdapterStore:
                 retryable=needed_bytes <= shutil.disk_usage(self.root).total - self.min_free_bytes,
             )
         for victim in victims:
-            self._evict_now(victim, EvictReason.LRU)
+            self._evict_now(victim, EvictReason.POLICY)
 
     def _restore_budget(self) -> list[Eviction]:
         """Evict in eviction order until the cache is within its budget; the evicted folders
@@ -594,10 +628,10 @@ class AdapterStore:
         protects."""
         evicted = []
         while len(self._index) > self.max_adapters or self.total_bytes > self.max_bytes:
-            victim = next(eviction_order(self._index, self.is_protected), None)
+            victim = next(self._policy.order(self._index, self.is_protected), None)
             if victim is None:
                 break  # what is left is pinned or leased; trimmed again on release
-            evicted.append(self._evict_now(victim.adapter_id, EvictReason.LRU))
+            evicted.append(self._evict_now(victim.adapter_id, EvictReason.POLICY))
         if evicted:
             self._purge_soon()
         self._wake_first()  # every change that can free room comes through here
@@ -618,6 +652,7 @@ class AdapterStore:
         copied into `adapters/` is taken where it lies, first to go.
         """
         adapter = CachedAdapter(record, last_used=self._clock())
+        self._policy.admitted(adapter, newest=staging is not None)
         if staging is None:
             self._index.add_oldest(adapter)
         else:
@@ -665,6 +700,7 @@ class AdapterStore:
         adapter = self._index.pop(adapter_id, None)
         if adapter is None:
             return None
+        self._policy.evicted(adapter_id)
         for lease_id in self._leases.ids_of(adapter_id):
             self._leases.end(lease_id)
         self._count_eviction(adapter, EvictReason.EXTERNAL)
@@ -674,6 +710,7 @@ class AdapterStore:
 
     def _evict_now(self, adapter_id: str, reason: EvictReason) -> Eviction:
         adapter = self._index.pop(adapter_id)
+        self._policy.evicted(adapter_id)
         target = self.trash_dir / f"{adapter_id}.{secrets.token_hex(6)}"
         self._listener.leaving(adapter_id)
         try:
@@ -689,11 +726,12 @@ class AdapterStore:
         self._metrics.evictions.labels(reason=reason.value).inc()
         age_s = max(0.0, self._clock() - adapter.record.staged_at)
         self._metrics.age_at_eviction.observe(age_s)
-        log.info("evicted adapter_id=%s bytes=%d reason=%s age=%.1fs", adapter.adapter_id,
-                 adapter.size_bytes, reason.value, age_s,
+        policy = self._policy_name.value if reason is EvictReason.POLICY else None
+        log.info("evicted adapter_id=%s bytes=%d reason=%s%s age=%.1fs", adapter.adapter_id,
+                 adapter.size_bytes, reason.value, f" policy={policy}" if policy else "", age_s,
                  extra=fields(event="evicted", adapter_id=adapter.adapter_id,
                               size_bytes=adapter.size_bytes, reason=reason.value,
-                              age_s=round(age_s, 3)))
+                              policy=policy, age_s=round(age_s, 3)))
 
     def _take_trash(self) -> list[Path]:
         """Folders renamed into `.trash/` and not yet being deleted."""
@@ -721,9 +759,39 @@ class AdapterStore:
         if self._deleting:
             await asyncio.gather(*list(self._deleting), return_exceptions=True)
 
+    # ---- the request counts on disk ----------------------------------------------------
+
+    def frequency_save_due(self, every_s: float = FREQUENCY_SAVE_S) -> bool:
+        sketch = self._policy.sketch
+        return (self._frequency_saving is None
+                and (sketch.halvings, sketch.since_halving) != self._frequency_saved_mark
+                and time.monotonic() - self._frequency_saved >= every_s)
+
+    async def save_frequencies(self) -> None:
+        """Write the request counts whole (temporary file, fsync, rename), off the loop; a
+        crash loses at most what was counted since the last save (FREQUENCY_SAVE_S)."""
+        while self._frequency_saving is not None:  # one writer at a time
+            await asyncio.wait({self._frequency_saving})
+        sketch = self._policy.sketch
+        data = sketch.to_bytes()  # a copy taken on the loop: consistent
+        self._frequency_saved = time.monotonic()
+        self._frequency_saved_mark = (sketch.halvings, sketch.since_halving)
+        saving = asyncio.ensure_future(asyncio.to_thread(save_sketch, self.root, data))
+        self._frequency_saving = saving
+        try:
+            await asyncio.shield(saving)
+        except OSError as exc:
+            log.warning("cannot save the request counts in %s (%s): a restart starts them "
+                        "from the last save", self.root, exc.strerror or exc)
+        finally:
+            self._frequency_saving = None
+
     async def close(self) -> None:
-        """At shutdown: every evicted folder deleted, the lease journal flushed and closed."""
+        """At shutdown: every evicted folder deleted, the request counts saved, the lease
+        journal flushed and closed."""
         await self.settle_trash()
+        if self.adapters_dir.is_dir():  # a store never prepared has no counts worth keeping
+            await self.save_frequencies()
         journal, self._leases.lease_journal = self._leases.lease_journal, None
         if journal is not None:
             await asyncio.to_thread(journal.close)

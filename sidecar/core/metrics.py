@@ -62,7 +62,7 @@ class Metrics:
     """The sidecar's metrics. `process/app.py` makes one per process; tests make their own."""
 
     def __init__(self, metrics_registry: CollectorRegistry | None = None, *,
-                 process: bool = True) -> None:
+                 process: bool = True, eviction_policy: str = "") -> None:
         self.metrics_registry = (metrics_registry if metrics_registry is not None
                                  else CollectorRegistry())
         r = self.metrics_registry
@@ -84,7 +84,8 @@ class Metrics:
         )
         self.evictions = Counter(
             "lora_sidecar_evictions", "Adapters removed from the cache, by reason "
-            "(lru, manual, forced, external).", ["reason"], registry=r,
+            "(policy: chosen by --eviction-policy to make room; manual, forced, external).",
+            ["reason"], registry=r,
         )
         self.age_at_eviction = Histogram(
             "lora_sidecar_adapter_age_at_eviction_seconds",
@@ -167,14 +168,16 @@ class Metrics:
             ["outcome"], registry=r,
         )
         self.build = Info(
-            "lora_sidecar_build", "The running lora-sidecar: its version and Python's.",
+            "lora_sidecar_build", "The running lora-sidecar: its version, Python's and its "
+            "eviction policy.",
             registry=r,
         )
-        self.build.info(build_info())
+        self.build.info(build_info() | ({"eviction_policy": eviction_policy}
+                                        if eviction_policy else {}))
         for result in ("hit", "miss", "error"):  # every series exists from the first scrape
             self.stage_requests.labels(result=result)
             self.stage_duration.labels(result=result)
-        for reason in ("lru", "manual", "forced", "external"):
+        for reason in ("policy", "manual", "forced", "external"):
             self.evictions.labels(reason=reason)
         for outcome in ("verified", "unsigned", "refused"):
             self.signature_verifications.labels(outcome=outcome)

@@ -77,7 +77,8 @@ class Sidecar:
     def __init__(self, settings: Settings, metrics_registry: CollectorRegistry | None = None, *,
                  lock: CacheLock | None = None) -> None:
         self.settings = settings
-        self.metrics = Metrics(metrics_registry)
+        self.metrics = Metrics(metrics_registry,
+                               eviction_policy=settings.eviction_policy.value)
         self.health = Health()
         self._disk_full: str | None = None  # why no new adapter fits the cache volume
         self.rules = Rules.from_settings(settings)
@@ -374,7 +375,8 @@ def serve(settings: Settings, lock: CacheLock | None = None) -> int:
     if not is_loopback(settings.host) and settings.api_token is None:
         log.warning("binding to %s without --api-token: anyone who can reach this port can "
                     "evict and pin adapters", settings.host)
-    log.info("settings: %s", settings.changes(),
+    log.info("settings: %s (eviction policy %s)", settings.changes(),
+             settings.eviction_policy.value,
              extra=fields(event="settings", settings=settings.describe()))
     if settings.engine_config is not None:
         log.info("the engine's limits, from its model.json: %s",

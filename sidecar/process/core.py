@@ -65,6 +65,7 @@ def build_core(
         pinned=settings.pin,
         metrics=metrics,
         listener=catalog,
+        eviction_policy=settings.eviction_policy,
     )
     stager = Stager(
         store,

@@ -317,6 +317,7 @@ def adapter_view(services: Services, adapter: CachedAdapter) -> dict[str, Any]:
         "last_used": iso_utc(adapter.last_used),
         "pinned": store.is_pinned(adapter.adapter_id),
         "leases": store.lease_count(adapter.adapter_id),
+        "standing": store.standing(adapter.adapter_id),  # its turn under --eviction-policy
         "source": adapter.record.source,
         "content_digest": adapter.record.content_digest,
         "signature": (None if adapter.record.signature is None

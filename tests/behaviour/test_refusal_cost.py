@@ -93,7 +93,7 @@ def listed_bytes(folder: Path) -> int:
 def evictions(sidecar: Sidecar) -> float:
     registry = sidecar.metrics.metrics_registry
     return sum(registry.get_sample_value("lora_sidecar_evictions_total", {"reason": reason}) or 0.0
-               for reason in ("lru", "manual", "forced", "external"))
+               for reason in ("policy", "manual", "forced", "external"))
 
 
 def volume(sidecar: Sidecar) -> dict[str, list[str]]:

@@ -336,7 +336,7 @@ async def test_hundreds_of_clients_racing_stage_release_evict_pin_unpin_keep_eve
             assert downloads == stays.count("staged"), (adapter_id, name, downloads, stays)
     assert evictions_by_reason["external"] == 0 and evictions_by_reason["forced"] == 0
     assert evictions_by_reason["manual"] == world.manual_evictions
-    for reason in ("lru", "manual"):
+    for reason in ("policy", "manual"):
         assert metrics[("lora_sidecar_evictions_total", (("reason", reason),))] == (
             evictions_by_reason[reason])
     staged = sum(len(h[::2]) for h in history.values())

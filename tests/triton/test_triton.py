@@ -77,7 +77,7 @@ async def test_sixteen_concurrent_calls_over_eight_adapters_with_room_for_three(
     assert sidecar.store.snapshot().active_leases == 0
     assert len(sidecar.store.adapters()) <= 3
     evicted = sidecar.metrics.metrics_registry.get_sample_value(
-        "lora_sidecar_evictions_total", {"reason": "lru"})
+        "lora_sidecar_evictions_total", {"reason": "policy"})
     assert evicted is not None and evicted >= 5  # eight adapters went through three places
 
 

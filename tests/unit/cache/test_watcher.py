@@ -202,7 +202,7 @@ async def test_own_stage_and_evict_cause_no_adoption_or_external_eviction(
     metrics = await scrape(http, sidecar.url)
     assert metrics.value("lora_sidecar_evictions_total", reason="external") == 0
     assert metrics.value("lora_sidecar_evictions_total", reason="manual") == 2
-    assert metrics.value("lora_sidecar_evictions_total", reason="lru") == 1
+    assert metrics.value("lora_sidecar_evictions_total", reason="policy") == 1
     assert _quarantined(sidecar) == []
     records = {
         p.name: json.loads((p / RECORD_NAME).read_text())["source"]

@@ -129,7 +129,7 @@ async def test_evictions_are_counted_by_reason_with_their_age(
         return m if m.value("lora_sidecar_evictions_total", reason="external") == 1 else None
 
     m = await eventually(external_counted, timeout_s=2, what="the external eviction")
-    for reason in ("lru", "manual", "forced", "external"):
+    for reason in ("policy", "manual", "forced", "external"):
         assert m.value("lora_sidecar_evictions_total", reason=reason) == 1, reason
     assert m.value("lora_sidecar_adapter_age_at_eviction_seconds_count") == 4
     assert m.value("lora_sidecar_cache_adapters") == 0
@@ -200,7 +200,7 @@ async def test_a_fresh_sidecar_exports_every_known_series_at_zero_and_no_created
     expected = {
         "lora_sidecar_registry_errors_total": ("operation", metrics.REGISTRY_OPERATIONS),
         "lora_sidecar_triton_reloads_total": ("outcome", ("ok", "error")),
-        "lora_sidecar_evictions_total": ("reason", ("lru", "manual", "forced", "external")),
+        "lora_sidecar_evictions_total": ("reason", ("policy", "manual", "forced", "external")),
         "lora_sidecar_catalog_compactions_total": (
             "reason", ("exhausted", "spares_low", "window", "requested", "engine_lost")),
         "lora_sidecar_signature_verifications_total": (

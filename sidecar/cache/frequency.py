@@ -1,0 +1,154 @@
+"""How often each adapter was asked for, lately: a count-min sketch of fixed size that outlives
+evictions, halved every so many requests (aging), and kept on disk across restarts.
+
+Memory is the sketch's alone, whatever the number of ids: DEPTH x WIDTH counters of one byte
+(512 KiB), so a registry of 100,000 ids or of ten million costs the same. A count is
+over-estimated only where an id shares all DEPTH counters with others: with 100,000 ids each
+seen once, fewer than one in ten reads more than 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import struct
+import zlib
+from array import array
+from pathlib import Path
+
+from ..core.fsutil import fsync_dir
+from ..core.logs import fields
+
+log = logging.getLogger(__name__)
+
+FREQUENCY_FILE_NAME = ".frequency"
+DEPTH = 4
+WIDTH = 1 << 17
+# Counts stop at 15 (Caffeine's 4-bit counters): an adapter that was very popular loses its
+# lead within four halvings once asked for no more; measured in benchmarks/policy.py.
+COUNTER_MAX = 15
+_MAGIC = b"LSFREQ1\n"
+_HEADER = struct.Struct("<8sIIQQ")  # magic, depth, width, requests since halving, period
+_CRC = struct.Struct("<I")
+# Every counter's low 7 bits: halving all of them is one shift of one big integer and a mask
+# (a few milliseconds for the whole sketch, where a loop in Python takes a hundred).
+_HALF_MASK = int.from_bytes(b"\x7f" * (DEPTH * WIDTH), "little")
+
+
+@functools.lru_cache(maxsize=8192)
+def _slots(adapter_id: str) -> tuple[int, ...]:
+    """The counter of each row for an id: stable across processes (no salted hash())."""
+    digest = hashlib.blake2b(adapter_id.encode(), digest_size=4 * DEPTH).digest()
+    return tuple(row * WIDTH + (int.from_bytes(digest[4 * row:4 * row + 4], "little") % WIDTH)
+                 for row in range(DEPTH))
+
+
+class FrequencySketch:
+    """Request counts by adapter id, approximate from above, bounded in memory.
+
+    Every `period` requests each counter is halved: what was popular an hour ago fades, so a
+    shift in popularity is followed within a few periods (never-aged counts would keep a
+    formerly hot adapter forever).
+    """
+
+    def __init__(self, period: int = 0) -> None:
+        self._counters = array("B", bytes(DEPTH * WIDTH))
+        self.period = period  # requests between halvings; 0: set by the policy
+        self.since_halving = 0
+        self.halvings = 0  # how many times the counts were halved, for tests and the policy
+
+    @property
+    def size_bytes(self) -> int:
+        return self._counters.itemsize * len(self._counters)
+
+    def estimate(self, adapter_id: str) -> int:
+        counters = self._counters
+        return min(counters[slot] for slot in _slots(adapter_id))
+
+    def add(self, adapter_id: str) -> int:
+        """Count one request (conservative update: only the smallest counters grow, which keeps
+        over-estimates small); returns the new estimate. May halve every count first."""
+        self.since_halving += 1
+        if self.period and self.since_halving > self.period:
+            self.halve()
+            self.since_halving = 1
+        counters = self._counters
+        slots = _slots(adapter_id)
+        new = min(counters[slot] for slot in slots) + 1
+        if new > COUNTER_MAX:
+            return COUNTER_MAX
+        for slot in slots:
+            if counters[slot] < new:
+                counters[slot] = new
+        return new
+
+    def halve(self) -> None:
+        packed = int.from_bytes(self._counters.tobytes(), "little")
+        halved = array("B")
+        halved.frombytes(((packed >> 1) & _HALF_MASK).to_bytes(DEPTH * WIDTH, "little"))
+        self._counters = halved
+        self.halvings += 1
+
+    # ---- on disk: <cache-root>/.frequency, replaced whole ------------------------------------
+
+    def to_bytes(self) -> bytes:
+        body = _HEADER.pack(_MAGIC, DEPTH, WIDTH, self.since_halving, self.period)
+        body += self._counters.tobytes()
+        return body + _CRC.pack(zlib.crc32(body))
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> FrequencySketch:
+        """ValueError when the data is not a whole sketch of this shape."""
+        if len(data) != _HEADER.size + DEPTH * WIDTH + _CRC.size:
+            raise ValueError(f"{len(data)} bytes, not a sketch of {DEPTH}x{WIDTH}")
+        body, (crc,) = data[:-_CRC.size], _CRC.unpack(data[-_CRC.size:])
+        if zlib.crc32(body) != crc:
+            raise ValueError("checksum mismatch")
+        magic, depth, width, since, period = _HEADER.unpack(body[:_HEADER.size])
+        if magic != _MAGIC or (depth, width) != (DEPTH, WIDTH):
+            raise ValueError("not a frequency sketch of this version")
+        sketch = cls(period)
+        sketch._counters = array("B")
+        sketch._counters.frombytes(body[_HEADER.size:])
+        sketch.since_halving = since
+        return sketch
+
+
+def save_sketch(root: Path, data: bytes) -> None:
+    """Write the sketch's bytes whole, or leave the previous file (blocking: run in a thread):
+    a temporary file, fsynced, renamed over the old one, the folder fsynced."""
+    path = root / FREQUENCY_FILE_NAME
+    temporary = root / f"{FREQUENCY_FILE_NAME}.new"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temporary, path)
+    fsync_dir(root)
+
+
+def load_sketch(root: Path) -> FrequencySketch | None:
+    """The sketch saved under `root`, or None when there is none or it cannot be used (said in
+    the log: the counts start again from zero, nothing else is affected)."""
+    path = root / FREQUENCY_FILE_NAME
+    (root / f"{FREQUENCY_FILE_NAME}.new").unlink(missing_ok=True)  # a save cut short
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        problem = exc.strerror or str(exc)
+    else:
+        try:
+            return FrequencySketch.from_bytes(data)
+        except ValueError as exc:
+            problem = str(exc)
+    log.warning("cannot read the request counts in %s (%s): eviction starts without them",
+                path, problem, extra=fields(event="frequency_unreadable", reason=problem))
+    return None
