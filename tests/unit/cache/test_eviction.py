@@ -157,8 +157,8 @@ def test_state_stays_bounded_by_the_cache_whatever_the_ids(name: EvictionPolicyN
 
 def store(root: Path, name: EvictionPolicyName = EvictionPolicyName.LFU) -> AdapterStore:
     return AdapterStore(root, max_bytes=10**9, max_adapters=2, min_free_bytes=0,
-                        lease_ttl_s=60.0, metrics=Metrics(CollectorRegistry(), process=False),
-                        eviction_policy=name)
+                        lease_ttl_s=60.0, max_leases=100,
+                        metrics=Metrics(CollectorRegistry(), process=False), eviction_policy=name)
 
 
 async def test_counts_outlive_a_restart_and_choose_the_victim(tmp_path: Path) -> None:
@@ -178,8 +178,9 @@ async def test_counts_outlive_a_restart_and_choose_the_victim(tmp_path: Path) ->
     # Installed with 'hot' the more recently staged: LRU would evict it first, LFU will not.
     second.install([record("cold"), record("hot")])
     assert second.standing("hot") == {"policy": "lfu", "count": 5}
-    second.reserve("new", 10)  # room for it: one of the two goes
-    second.admit(record("new"), staging=second.new_staging_dir("new"))
+    async with second.staging("new") as staging:
+        await staging.reserve(10, wait_s=0)  # room for it: one of the two goes
+        second.admit(record("new"), staging=staging.path)
 
     assert second.get("hot") is not None and second.get("cold") is None
     await second.close()
