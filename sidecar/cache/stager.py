@@ -19,6 +19,7 @@ from ..core.errors import (
     CacheUnwritable,
     InvalidAdapter,
     NotCached,
+    RegistryObjectChanged,
     RegistryTransient,
     SidecarError,
     StageTimeout,
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 FETCH_ATTEMPTS = 3  # downloads of a file whose bytes did not arrive intact, the first included
 SETTLE_STEP_S = 0.25  # past the settle time before listing again
 SETTLE_LISTINGS_MAX = 30  # an upload that never stops landing is staged as it is then
+LISTINGS_MAX = 3  # listings of one stage whose files changed while they were fetched
 # Of a caller's deadline, what is kept to answer 507 rather than 504 when room never freed.
 ROOM_ANSWER_S = 1.0
 # Stages fetching their small files (model.sig, adapter_config.json: at most 1 MiB each) to
@@ -197,6 +199,21 @@ class Stager:
     # ---- the one task per adapter -----------------------------------------------------
 
     async def _stage_once(self, adapter_id: str, answer_by: float) -> None:
+        """The adapter staged from a fresh listing; listed again when a file changed in the
+        registry while it was fetched (a re-upload landing then), up to LISTINGS_MAX times
+        while the first caller's deadline allows: the next listing waits for the upload to
+        settle and fetches the new version whole."""
+        for listing_number in range(1, LISTINGS_MAX + 1):
+            try:
+                return await self._stage_listed(adapter_id, answer_by)
+            except RegistryObjectChanged as exc:
+                if listing_number == LISTINGS_MAX or time.monotonic() >= answer_by:
+                    raise
+                log.info("adapter_id=%s changed in the registry while it was fetched (%s); "
+                         "listing it again", adapter_id, exc.message,
+                         extra=fields(event="relist", adapter_id=adapter_id))
+
+    async def _stage_listed(self, adapter_id: str, answer_by: float) -> None:
         """list -> judge -> reserve -> fetch -> validate -> admit. Everything that can refuse
         the adapter without its weights is judged before room is reserved: a refused adapter
         evicts nothing."""

@@ -225,10 +225,12 @@ async def test_a_caller_deadline_shorter_than_the_stall_is_504_and_the_download_
 
 
 @pytest.mark.parametrize("size", ["small", "ranged"])
-async def test_an_object_changed_after_listing_is_refused_then_the_new_one_stages(
+async def test_an_object_changed_after_listing_is_listed_again_and_the_new_one_staged(
     tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
     size: str,
 ) -> None:
+    """A re-upload landing while the weights are fetched: the sidecar, which alone knows the
+    object moved, lists the adapter again and answers with the new version, whole."""
     kwargs: dict[str, Any] = {}
     if size == "ranged":  # several 5 MiB ranged GETs, each of which must carry If-Match
         kwargs = {"rank": 16, "target_modules": ("q_proj", "k_proj", "v_proj", "o_proj",
@@ -240,9 +242,11 @@ async def test_an_object_changed_after_listing_is_refused_then_the_new_one_stage
     newer = s3.put_adapter("moving-next", seed=8, **kwargs)  # same shape, other bytes
     key = s3.key("moving", WEIGHTS)
     replaced = False
+    listings = 0
 
     async def replace_then_forward(request: web.Request, seen: Seen) -> None:
-        nonlocal replaced
+        nonlocal replaced, listings
+        listings += listing_of("moving")(seen)
         if not replaced and weights_get("moving")(seen):
             replaced = True
             await asyncio.to_thread(s3.put_object, key, newer[WEIGHTS])
@@ -255,10 +259,37 @@ async def test_an_object_changed_after_listing_is_refused_then_the_new_one_stage
     status, body = await stage(http, sidecar.url, "moving")
 
     assert replaced
+    assert status == 200, body
+    assert listings >= 2  # listed again after the change, not fetched half old and half new
+    assert folder_bytes(Path(body["local_path"])) == newer
+    assert_clean(settings, {"moving": newer})
+
+
+async def test_an_object_that_changes_on_every_fetch_is_refused_after_three_listings(
+    tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
+) -> None:
+    versions = [s3.put_adapter("restless", seed=7), s3.put_adapter("restless-next", seed=8)]
+    key = s3.key("restless", WEIGHTS)
+    fetches = 0
+
+    async def replace_every_time(request: web.Request, seen: Seen) -> None:
+        nonlocal fetches
+        if weights_get("restless")(seen):
+            fetches += 1
+            await asyncio.to_thread(s3.put_object, key, versions[fetches % 2][WEIGHTS])
+        return None
+
+    s3.proxy.fault = replace_every_time
+    settings = s3_settings(tmp_path, s3)
+    sidecar = await start_sidecar(settings)
+
+    status, body = await stage(http, sidecar.url, "restless")
+
     assert status == 502, body
     assert body["error"] == "registry_object_changed"
     assert body["cause"] == "object_changed"
-    assert not (settings.cache_root / "adapters" / "moving").exists()
+    assert fetches == 3  # one fetch per listing, three listings, then the answer
+    assert not (settings.cache_root / "adapters" / "restless").exists()
     assert_clean(settings, {})
     s3.proxy.fault = None
-    await assert_recovers(http, sidecar.url, "moving", newer, settings)
+    await assert_recovers(http, sidecar.url, "restless", versions[fetches % 2], settings)
