@@ -319,6 +319,10 @@ async def test_a_restarted_sidecar_takes_over_the_loaded_engine_without_unloadin
     files = s3.put_adapter("steady-v1", seed=14)
     first = await node_sidecar(triton_reload=TritonReload.UNLOAD_FIRST)
     await first.stop()
+    # Counted once the engine is settled: an unload an earlier test set off may still be
+    # finishing (its log line lands late), and the model is READY only after it.
+    await eventually(lambda: triton_node.server.model_states().get(VLLM_MODEL) == "READY",
+                     timeout_s=120, what="vllm_model READY before the count")
     unloads = triton_node.server.log_text().count("successfully unloaded 'vllm_model'")
 
     second = await node_sidecar(triton_reload=TritonReload.UNLOAD_FIRST)
