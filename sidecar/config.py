@@ -218,7 +218,7 @@ class Settings(ValidationOptions, RegistryOptions):
     spare_names_max: int = option(
         "--spare-names-max", at_least(parse_int, 1, "at least 1"), "4096",
         "most spare names one generation lists (each costs the engine a little at load time "
-        "and per request; see the README)", "N")
+        "and per request; see docs/operating.md)", "N")
     compact_below: int | None = option(
         "--compact-below", _parse_optional_count, "auto",
         "plan a compaction (a new generation and a reload) when this many spare names or fewer "
