@@ -233,7 +233,7 @@ class Settings(ValidationOptions, RegistryOptions):
     spare_names_max: int = option(
         "--spare-names-max", at_least(parse_int, 1, "at least 1"), "4096",
         "most spare names one generation lists (each costs the engine a little at load time "
-        "and per request; see the README)", "N")
+        "and per request; see docs/operating.md)", "N")
     compact_below: int | None = option(
         "--compact-below", _parse_optional_count, "auto",
         "plan a compaction (a new generation and a reload) when this many spare names or fewer "
@@ -271,7 +271,7 @@ class Settings(ValidationOptions, RegistryOptions):
         "--tenants", parse_optional_path, "",
         "TOML file of tokens per adapter-id prefix (a tenant's token stages, pins, unpins and "
         "evicts only its own ids), the router's token, and whether /stage needs a token; "
-        "off without it (see the README's security section)", "FILE")
+        "off without it (see docs/operating.md, Tenants)", "FILE")
     max_request_bytes: int = option(
         "--max-request-bytes", at_least(parse_size, 1024, "at least 1KiB"), "64KiB",
         "largest request body the API accepts", "SIZE")

@@ -1,4 +1,4 @@
-"""The exit codes of `lora-sidecar` (the README documents them; scripts depend on them)."""
+"""The exit codes of `lora-sidecar` (docs/reference.md documents them; scripts depend on them)."""
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a command failed, or `serve` could not bind or failed while running

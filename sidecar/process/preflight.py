@@ -1,6 +1,6 @@
 """Checks at start that need the outside world: settings that parse but cannot work.
 
-The rule, also in the README and `serve --help`: a problem that only the operator can fix
+The rule, also in docs/reference.md and `serve --help`: a problem that only the operator can fix
 stops the start (exit 2, every problem listed); one that can pass on its own does not (the
 sidecar starts, and /readyz says why it is not ready).
 

@@ -1,7 +1,7 @@
 """Signed adapters through the real sidecar: moto S3 over HTTP, the aiohttp server on a free port,
 signatures made in the test. A correctly signed adapter is served and every answer says which
 bytes and which signer; each way of breaking a signature is refused with its own code under
-`require`, nothing published; `verify-if-present` and off behave as the README says; folders
+`require`, nothing published; `verify-if-present` and off behave as docs/signing.md says; folders
 copied in and a restart under a changed policy are judged by the same rules."""
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""The README against the code: every error code the API can answer is in its error table with
-the status the API answers it with, and its quick start runs as written, in order."""
+"""The README and the pages of docs/ against the code: every error code the API can answer is in
+the reference's error table with the status the API answers it with, the contributor's guide names
+every module, the README's quick start runs as written, in order, and every link between the
+pages leads somewhere."""
 
 from __future__ import annotations
 
@@ -18,12 +20,15 @@ from tests.support.processes import free_port, http_status
 from tests.support.waiting import eventually_blocking
 
 README = REPO / "README.md"
+DOCS = REPO / "docs"
+REFERENCE = DOCS / "reference.md"  # the HTTP API and its error table
+CONTRIBUTING = DOCS / "contributing.md"  # "How the code is laid out"
 
 
-def readme_error_table() -> dict[str, set[int]]:
+def reference_error_table() -> dict[str, set[int]]:
     """`error` code -> the statuses its rows give, from the table whose header is
     `| status | `error` | when |`."""
-    lines = README.read_text(encoding="utf-8").splitlines()
+    lines = REFERENCE.read_text(encoding="utf-8").splitlines()
     start = next(i for i, line in enumerate(lines)
                  if re.fullmatch(r"\|\s*status\s*\|\s*`error`\s*\|\s*when\s*\|", line.strip()))
     table: dict[str, set[int]] = {}
@@ -36,29 +41,29 @@ def readme_error_table() -> dict[str, set[int]]:
     return table
 
 
-def test_every_error_code_of_the_api_is_in_the_readme_with_its_status() -> None:
-    table = readme_error_table()
+def test_every_error_code_of_the_api_is_in_the_reference_with_its_status() -> None:
+    table = reference_error_table()
     codes = api_error_codes()
     assert {"not_ready", "not_found", "method_not_allowed", "internal_error"} <= set(codes)
     missing = sorted(code for code in codes if code not in table)
-    assert not missing, f"README's error table lacks {missing}"
+    assert not missing, f"the reference's error table lacks {missing}"
     wrong = {code: (status, sorted(table[code])) for code, status in codes.items()
              if status not in table[code]}
-    assert not wrong, f"README gives other statuses (code: (API's, README's)): {wrong}"
+    assert not wrong, f"the reference gives other statuses (code: (API's, its)): {wrong}"
 
 
-def test_the_readme_lists_no_code_the_api_cannot_answer() -> None:
-    stale = sorted(set(readme_error_table()) - set(api_error_codes()))
-    assert not stale, f"README's error table lists codes the API never answers: {stale}"
+def test_the_reference_lists_no_code_the_api_cannot_answer() -> None:
+    stale = sorted(set(reference_error_table()) - set(api_error_codes()))
+    assert not stale, f"the reference's error table lists codes the API never answers: {stale}"
 
 
 # ---- the layout ----------------------------------------------------------------------------
 
 
-def readme_layout() -> dict[str, set[str]]:
+def layout_rows() -> dict[str, set[str]]:
     """Folder (or top-level module) -> the module names its row of "How the code is laid out"
     gives."""
-    text = README.read_text(encoding="utf-8")
+    text = CONTRIBUTING.read_text(encoding="utf-8")
     section = text[text.index("## How the code is laid out"):]
     block = section.split("```")[1]
     rows: dict[str, set[str]] = {}
@@ -72,14 +77,14 @@ def readme_layout() -> dict[str, set[str]]:
 
 
 def test_the_layout_names_every_module_of_sidecar_in_its_folder_and_no_other() -> None:
-    rows = readme_layout()
+    rows = layout_rows()
     named = {(folder if folder.endswith("/") else "sidecar/", module)
              for folder, modules in rows.items() for module in modules
              if folder.endswith("/") or module == Path(folder).name}
     on_disk = {(f"{path.parent.relative_to(REPO).as_posix()}/", path.name)
                for path in (REPO / "sidecar").rglob("*.py") if path.name != "__init__.py"}
-    assert sorted(on_disk - named) == [], "modules the README's layout does not name"
-    assert sorted(named - on_disk) == [], "modules the README's layout names that do not exist"
+    assert sorted(on_disk - named) == [], "modules the layout in docs/ does not name"
+    assert sorted(named - on_disk) == [], "modules the layout in docs/ names that do not exist"
 
 
 # ---- the quick start, run as written ------------------------------------------------------
@@ -89,7 +94,8 @@ def quick_start() -> tuple[list[str], dict[str, object]]:
     """The `sh` blocks of "The two commands" after the first (make run / make test), each one
     script, and the JSON answer it shows for the first curl."""
     text = README.read_text(encoding="utf-8")
-    section = text[text.index("## The two commands"):text.index("## How it fits together")]
+    start = text.index("## The two commands")
+    section = text[start:text.index("\n## ", start)]
     blocks = re.findall(r"```(sh|json)\n(.*?)```", section, flags=re.DOTALL)
     scripts = [body for kind, body in blocks if kind == "sh"][1:]
     answer = json.loads(next(body for kind, body in blocks if kind == "json"))
@@ -158,7 +164,7 @@ def test_the_quick_start_runs_in_order_as_written(tmp_path: Path) -> None:
 # ---- every cause of every code ---------------------------------------------------------------
 
 # Each place in sidecar/ that makes an error the API answers (module:function), and the words
-# of the README's error table that name that cause, in the row of its code. A new place fails
+# of the reference's error table that name that cause, in the row of its code. A new place fails
 # the test below until its cause is in the table and here.
 ERROR_CAUSES: dict[tuple[str, str], str] = {
     ("adapter_in_use", "cache/store.py:evict"): "evicting a pinned, leased or about-to-be-leased",
@@ -238,8 +244,8 @@ def error_sites() -> set[tuple[str, str]]:
     return sites
 
 
-def test_every_cause_of_every_error_code_is_in_the_readme_row_of_its_code() -> None:
-    lines = README.read_text(encoding="utf-8").splitlines()
+def test_every_cause_of_every_error_code_is_in_the_reference_row_of_its_code() -> None:
+    lines = REFERENCE.read_text(encoding="utf-8").splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| status | `error` |"))
     rows: dict[str, str] = {}
     for line in lines[start + 2:]:
@@ -261,9 +267,9 @@ def test_every_cause_of_every_error_code_is_in_the_readme_row_of_its_code() -> N
 
 
 def signing_walkthrough() -> tuple[str, str]:
-    """The README's signing policy (TOML) and its key-making and signing commands (sh)."""
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Signed adapters"):]
+    """The signing page's policy (TOML) and its key-making and signing commands (sh)."""
+    text = (DOCS / "signing.md").read_text()
+    section = text[text.index("# Signed adapters"):]
     policy = re.search(r"^```toml\n(.*?)^```", section, re.M | re.S)
     steps = re.search(r"\*\*Making the keys, signing, uploading\.\*\*.*?^```sh\n(.*?)^```",
                       section, re.M | re.S)
@@ -304,3 +310,47 @@ def test_the_signing_steps_make_every_file_the_policy_reads_and_both_adapters_pa
                               str(tmp_path / "other.toml")],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1 and "signer_not_allowed" in refused.stdout, refused.stdout
+
+
+# ---- the pages and their links --------------------------------------------------------------
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCED = re.compile(r"^\s*```.*?^\s*```[^\n]*$", flags=re.DOTALL | re.MULTILINE)
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors of a page's headings, as GitHub makes them: lower case, punctuation but `-`
+    and `_` dropped, spaces as `-`, a repeated one numbered."""
+    seen: dict[str, int] = {}
+    for line in FENCED.sub("", page.read_text(encoding="utf-8")).splitlines():
+        if match := re.match(r"#{1,6} (.+)", line):
+            slug = re.sub(r"[^\w\- ]", "", match.group(1).strip().lower()).replace(" ", "-")
+            count = seen.get(slug, 0)
+            seen[slug] = count + 1
+            if count:
+                seen[f"{slug}-{count}"] = 1
+    return set(seen)
+
+
+def test_every_page_of_docs_is_linked_from_the_readme_and_every_link_leads_somewhere() -> None:
+    """Each page of docs/ is reachable from the README, and every relative link of the README
+    and of docs/ names a file that exists and, with `#`, a heading of it."""
+    pages = [README, *sorted(DOCS.glob("*.md"))]
+    assert {REFERENCE, CONTRIBUTING} <= set(pages)
+    linked: set[Path] = set()
+    broken = []
+    for page in pages:
+        for target in LINK.findall(FENCED.sub("", page.read_text(encoding="utf-8"))):
+            if re.match(r"[a-z]+:", target):
+                continue  # a URL, not a page of the checkout
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if page == README:
+                linked.add(file)
+            if not file.exists():
+                broken.append(f"{page.relative_to(REPO)}: {target}: no such file")
+            elif anchor and (file.suffix != ".md" or anchor not in anchors(file)):
+                broken.append(f"{page.relative_to(REPO)}: {target}: no such heading")
+    assert not broken, broken
+    unlinked = [str(p.relative_to(REPO)) for p in pages[1:] if p not in linked]
+    assert not unlinked, f"pages of docs/ the README does not link: {unlinked}"

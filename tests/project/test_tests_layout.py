@@ -1,6 +1,7 @@
-"""The tests' layout, as the README's "How the code is laid out" states it: a module's tests are
-found from its path, helpers live in tests/support/, conftest.py files hold fixtures only, and a
-test waits with `eventually`, a fixed sleep only where time passing is itself the point."""
+"""The tests' layout, as "How the code is laid out" in docs/contributing.md states it: a module's
+tests are found from its path, helpers live in tests/support/, conftest.py files hold fixtures
+only, and a test waits with `eventually`, a fixed sleep only where time passing is itself the
+point."""
 
 from __future__ import annotations
 
