@@ -99,6 +99,26 @@ def test_aging_lets_a_new_favourite_overtake_an_old_one() -> None:
     assert cache.policy.sketch.halvings >= 10
 
 
+def test_a_favourite_silent_far_longer_than_its_count_predicts_goes_before_a_lesser_one() -> None:
+    """No halving here (3,000 requests a period): only the silence ranks 'old' below 'mid'."""
+    cache = lfu(room=3, aging=1000)
+    for _ in range(15):
+        cache.request("old")
+    for _ in range(3):
+        cache.request("mid")
+    for i in range(100):
+        cache.request(f"once-{i}")  # one-offs take turns in the third place
+    order = [a.adapter_id for a in cache.policy.order(cache.index, lambda _: False)]
+    assert order[1:] == ["mid", "old"]  # 100 requests: about what 15 in 3,000 predicts
+    # Silent for 2,400 requests (15 x 2,400 // (4 x 3,000) = 3 halvings): ranked as 15 >> 3 = 1,
+    # a one-off's rank, and older than the one-off, it goes on the next miss; 'mid' stays.
+    for i in range(100, 2500):
+        cache.request(f"once-{i}")
+    assert "old" in cache.evicted and "mid" in cache.index
+    assert cache.policy.sketch.halvings == 0
+    assert cache.policy.standing("mid")["count"] == 3
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_an_adapter_in_use_is_never_a_victim(name: EvictionPolicyName) -> None:
     rng = random.Random(7)
