@@ -4,6 +4,7 @@ download reserves (given in the order asked, waited for within a deadline)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -119,9 +120,13 @@ async def test_downloads_waiting_for_room_get_it_in_the_order_they_asked(tmp_pat
             await asyncio.sleep(0)  # hold the room for a step: the next one still waits
         assert not staging.path.exists()  # the folder goes with the block
 
-    tasks = [asyncio.create_task(download(adapter_id)) for adapter_id in ("b", "c", "d")]
-    await eventually(lambda: store.waiting_for_room == 3, timeout_s=10,
-                     what="three downloads waiting for room")
+    def waiting(count: int) -> Callable[[], bool]:
+        return lambda: store.waiting_for_room == count
+
+    tasks = []
+    for adapter_id in ("b", "c", "d"):  # one after another: each makes its folder in a thread
+        tasks.append(asyncio.create_task(download(adapter_id)))
+        await eventually(waiting(len(tasks)), timeout_s=10, what=f"{adapter_id} waiting for room")
     assert order == []
     store.release(lease_id)  # a is evicted; the room passes from one download to the next
     await asyncio.gather(*tasks)
