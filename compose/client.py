@@ -93,7 +93,9 @@ def generate(
         )
     except InferenceServerException as exc:
         message = (exc.message() or "").lower()
-        if "unavailable" in str(exc.status()).lower() and any(
+        # The router's own UNAVAILABLE about the sidecar quotes the sidecar's connection error
+        # ("sidecar unreachable … Connection refused"): Triton answered, so it is waited out.
+        if "unavailable" in str(exc.status()).lower() and "sidecar" not in message and any(
             failure in message for failure in _CONNECTION_FAILURES
         ):
             raise TritonUnreachable(exc.message()) from exc

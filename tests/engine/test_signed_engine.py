@@ -21,6 +21,7 @@ from tritonclient.utils import InferenceServerException
 from tests.engine.harness import MAX_TOKENS, PROMPT, EngineAssets
 from tests.engine.node import EngineNode, _bytes_input, status_of
 from tests.support.signing_keys import KeyPair, key_policy, make_key, sign_with_key
+from tests.support.waiting import eventually_blocking
 from tests.triton.harness import ROUTER
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -80,9 +81,12 @@ def test_the_routers_answer_names_the_digest_and_signer_of_the_bytes_on_disk(
     record = json.loads((on_disk / ".sidecar.json").read_text())
     assert record["content_digest"] == facts["content_digest"]
     assert record["signature"]["signer"] == "acme-2026"
-    log = node.server.log_path.read_text(errors="replace")
-    assert re.search(rf"request_id=audit-7 adapter_id={SIGNED} lora_name=\S+ "
-                     rf"content_digest={facts['content_digest']} signer=acme-2026 ", log)
+    # The router logs its line once the answer is sent: it may land a moment after.
+    eventually_blocking(
+        lambda: re.search(rf"request_id=audit-7 adapter_id={SIGNED} lora_name=\S+ "
+                          rf"content_digest={facts['content_digest']} signer=acme-2026 ",
+                          node.server.log_path.read_text(errors="replace")),
+        timeout_s=30, what="the router's provenance line in Triton's log")
 
 
 def test_an_unsigned_adapter_under_require_never_reaches_the_engine(node: EngineNode) -> None:
