@@ -8,8 +8,10 @@ import os
 import shutil
 import stat
 import time
+import tomllib
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 
 class EntryKind(Enum):
@@ -56,3 +58,19 @@ def remove_tree(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
+
+
+def read_toml(path: Path, max_bytes: int) -> dict[str, Any]:
+    """A small TOML file read whole, at most `max_bytes`; ValueError says what is wrong with it
+    (unreadable, too large, not TOML) in words fit to follow the file's name."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise ValueError(f"cannot read it: {exc.strerror or exc}") from None
+    if len(raw) > max_bytes:
+        raise ValueError(f"larger than {max_bytes} bytes")
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"not valid TOML: {exc}") from None

@@ -12,13 +12,13 @@ import fnmatch
 import hashlib
 import importlib.util
 import json
-import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.fsutil import read_toml
 from ..core.ids import is_valid_adapter_id
 
 if TYPE_CHECKING:
@@ -152,17 +152,7 @@ class SigningPolicy:
         missing = signing_extra_missing()
         if missing:
             raise ValueError(missing)
-        try:
-            with open(path, "rb") as f:
-                raw = f.read(POLICY_MAX_BYTES + 1)
-        except OSError as exc:
-            raise ValueError(f"cannot read it: {exc.strerror or exc}") from None
-        if len(raw) > POLICY_MAX_BYTES:
-            raise ValueError(f"larger than {POLICY_MAX_BYTES} bytes")
-        try:
-            data = tomllib.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-            raise ValueError(f"not valid TOML: {exc}") from None
+        data = read_toml(path, POLICY_MAX_BYTES)
         problems: list[str] = []
         policy = _parse(data, path.parent, problems)
         if problems:

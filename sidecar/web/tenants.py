@@ -9,11 +9,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..core.fsutil import read_toml
 
 TENANTS_MAX_BYTES = 64 * 1024
 # Ids have no folders ('/' is not allowed, core/ids.py): a prefix is the start of the id, and
@@ -69,17 +70,7 @@ class Tenants:
     @classmethod
     def load(cls, path: Path) -> Tenants:
         """Read and check a tenants file; ValueError lists every problem found."""
-        try:
-            with open(path, "rb") as f:
-                raw = f.read(TENANTS_MAX_BYTES + 1)
-        except OSError as exc:
-            raise ValueError(f"cannot read it: {exc.strerror or exc}") from None
-        if len(raw) > TENANTS_MAX_BYTES:
-            raise ValueError(f"larger than {TENANTS_MAX_BYTES} bytes")
-        try:
-            data = tomllib.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-            raise ValueError(f"not valid TOML: {exc}") from None
+        data = read_toml(path, TENANTS_MAX_BYTES)
         problems: list[str] = []
         tenants = _parse(data, problems)
         if problems:
