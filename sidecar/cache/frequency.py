@@ -70,7 +70,7 @@ class FrequencySketch:
 
     def estimate(self, adapter_id: str) -> int:
         counters = self._counters
-        return min(counters[slot] for slot in _slots(adapter_id))
+        return min(map(counters.__getitem__, _slots(adapter_id)))
 
     def add(self, adapter_id: str) -> int:
         """Count one request (conservative update: only the smallest counters grow, which keeps
@@ -81,7 +81,7 @@ class FrequencySketch:
             self.since_halving = 1
         counters = self._counters
         slots = _slots(adapter_id)
-        new = min(counters[slot] for slot in slots) + 1
+        new = min(map(counters.__getitem__, slots)) + 1  # no generator frame (hit path)
         if new > COUNTER_MAX:
             return COUNTER_MAX
         busy = self._busy
