@@ -197,10 +197,8 @@ class RangeReader:
                 response = self._pool.get(url, headers)
             except (HTTPError, OSError, http.client.HTTPException) as exc:
                 raise self.fault(exc) from exc
-            if response.status == 206 and not whole:
-                return self._check_range(response, start, end)
-            if response.status == 200 and whole:
-                return self._check_whole(response)
+            if response.status == (200 if whole else 206):
+                return self._check_range(response, start, end, whole=whole)
             code, message = _error_of(response)
             if expired is None and s3_cause(response.status, code, message) == (
                     "credentials_expired"):
@@ -210,31 +208,28 @@ class RangeReader:
                 continue
             raise self._refusal(response.status, code, message, after_resign=expired is not None)
 
-    def _check_range(self, response: urllib3.BaseHTTPResponse, start: int,
-                     end: int) -> _HttpRangeStream:
-        match = _CONTENT_RANGE.fullmatch(response.headers.get("Content-Range", ""))
-        total = match.group(3) if match else ""
-        if (response.length_remaining != end - start or match is None
-                or int(match.group(1)) != start or total != str(self._size_bytes)):
+    def _check_range(self, response: urllib3.BaseHTTPResponse, start: int, end: int, *,
+                     whole: bool) -> _HttpRangeStream:
+        """The answer is the range asked for (or, `whole`, the object of the listed size)."""
+        if whole:
+            answered = f"{response.length_remaining} bytes"
+            intact = response.length_remaining == self._size_bytes
+        else:
+            answered = f"bytes {response.headers.get('Content-Range')}"
+            match = _CONTENT_RANGE.fullmatch(response.headers.get("Content-Range", ""))
+            intact = (response.length_remaining == end - start and match is not None
+                      and int(match.group(1)) == start
+                      and match.group(3) == str(self._size_bytes))
+        if not intact:
             _discard(response)
             raise RegistryObjectChanged(
-                f"{self._describe}: the registry answered bytes "
-                f"{response.headers.get('Content-Range')} for {start}-{end - 1} of "
+                f"{self._describe}: the registry answered {answered} for {start}-{end - 1} of "
                 f"{self._size_bytes}; the object changed",
                 adapter_id=self._adapter_id, cause="size_changed",
             )
-        return _HttpRangeStream(self, response)
-
-    def _check_whole(self, response: urllib3.BaseHTTPResponse) -> _HttpRangeStream:
-        if response.length_remaining != self._size_bytes:
-            _discard(response)
-            raise RegistryObjectChanged(
-                f"{self._describe}: the registry answered {response.length_remaining} bytes "
-                f"for the whole object of {self._size_bytes}; the object changed",
-                adapter_id=self._adapter_id, cause="size_changed",
-            )
-        self.answered = {name: value for name, header in _ANSWER_FIELDS.items()
-                         if (value := response.headers.get(header)) is not None}
+        if whole:
+            self.answered = {name: value for name, header in _ANSWER_FIELDS.items()
+                             if (value := response.headers.get(header)) is not None}
         return _HttpRangeStream(self, response)
 
     def _refusal(self, status: int, code: str, message: str, *,
