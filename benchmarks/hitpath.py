@@ -64,3 +64,92 @@ def median_of(results: list[LoadResult]) -> LoadResult:
         p99_ms=statistics.median(r.p99_ms for r in results),
         cpu_us_per_request=statistics.median(r.cpu_us_per_request for r in results),
     )
+
+
+def compare(rounds: int, seconds: float, clients_list: list[int], dest: Path,
+            compared: list[tuple[str, Path]]) -> str:
+    """This checkout's sidecar (and others') beside the bare handler on the small adapter from
+    a local folder: rounds alternate which server goes first; medians of each figure."""
+    import shutil
+    import sys
+
+    from .bench import REPO
+    from .miss import local_sidecar, small_adapter
+    from .servers import Supervisor, free_port, s3_env, wait_for_port
+
+    work = REPO / "benchmarks" / ".work"
+    sup = Supervisor(work / "logs")
+    small = small_adapter(work / "adapters")
+    shutil.rmtree(dest, ignore_errors=True)
+    targets: dict[str, tuple[str, int]] = {}
+    try:
+        response = None
+        for label, source in [("sidecar", REPO), *compared]:
+            env = s3_env(os.environ, work)
+            env["PYTHONPATH"] = str(source.resolve())
+            sidecar = local_sidecar(sup, [sys.executable, "-P", "-m", "sidecar"],
+                                    work / "adapters", dest / f"cache-{label}", env, ())
+            response = sidecar.stage(small.adapter_id)
+            name = label if label == "sidecar" else f"sidecar ({label})"
+            targets[name] = (f"http://127.0.0.1:{sidecar.port}", sidecar.pid)
+        responses = dest / "bare-responses.json"
+        responses.write_text(json.dumps({small.adapter_id: response}))
+        port = free_port()
+        bare = sup.start("bare-aiohttp", [sys.executable, "-m", "benchmarks.bare_server",
+                                          str(port), str(responses)])
+        wait_for_port("127.0.0.1", port, bare, "the bare handler")
+        targets["bare aiohttp"] = (f"http://127.0.0.1:{port}", bare.pid)
+        for _, pid in targets.values():
+            pin_to_server_cpu(pid)
+        runs: dict[tuple[str, int], list[LoadResult]] = {}
+        for round_index in range(rounds):
+            order = list(targets.items())
+            shift = round_index % len(order)
+            for clients in clients_list:
+                for name, (url, pid) in order[shift:] + order[:shift]:
+                    runs.setdefault((name, clients), []).append(
+                        run_wrk("wrk", url, pid, small.adapter_id, clients, seconds))
+    finally:
+        sup.stop_all()
+        shutil.rmtree(dest, ignore_errors=True)
+    lines = [f"\nPOST /stage hits, {rounds} alternating rounds of {seconds:g} s (medians):\n",
+             "| server | clients | req/s | / bare | CPU µs/req | / bare CPU | CPU µs/req, runs |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for clients in clients_list:
+        bare_cell = median_of(runs[("bare aiohttp", clients)])
+        for name in targets:
+            cell = runs[(name, clients)]
+            m = median_of(cell)
+            lines.append(
+                f"| {name} | {clients} | {m.requests_per_s:.0f} | "
+                f"{m.requests_per_s / bare_cell.requests_per_s:.0%} | "
+                f"{m.cpu_us_per_request:.1f} | "
+                f"{bare_cell.cpu_us_per_request / m.cpu_us_per_request:.2f} | "
+                f"{', '.join(f'{r.cpu_us_per_request:.0f}' for r in cell)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.hitpath",
+        description="POST /stage hits on a small adapter from a local folder, this sidecar "
+        "beside the bare aiohttp handler (and --compare checkouts), alternating rounds (the "
+        "full hit phase is `benchmarks/run.sh --phases hit`). Needs wrk and taskset.")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--seconds", type=float, default=3.0, help="of load per cell")
+    parser.add_argument("--clients", type=int, action="append", default=[],
+                        help="keep-alive clients per cell (repeatable; default 8 and 64)")
+    parser.add_argument("--dest", type=Path, default=Path("/dev/shm/lsbench-hit"))
+    parser.add_argument("--compare", action="append", default=[], metavar="LABEL=PATH",
+                        help="also the sidecar package of another checkout (repeatable)")
+    args = parser.parse_args(argv)
+    compared = [(label, Path(path)) for label, _, path in
+                (spec.partition("=") for spec in args.compare)]
+    print(compare(args.rounds, args.seconds, args.clients or [8, 64], args.dest, compared))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -190,33 +190,41 @@ def _copy_range(src: int, dst: int, start: int, end: int) -> None:
         offset += got
 
 
+def interleaved(sides: dict[str, Any], adapter_id: str, rounds: int, log: Any = None, *,
+                warm: bool = True) -> dict[str, list[float]]:
+    """Each side's cold fetch of `adapter_id` (reset after each), in seconds, over `rounds`
+    rounds whose order rotates (no side always first); `warm`: after one untimed fetch by
+    each side (connections, imports, page cache)."""
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for side in sides.values() if warm else ():
+        side.fetch(adapter_id)
+        side.reset(adapter_id)
+    order = list(sides.items())
+    for round_index in range(rounds):
+        shift = round_index % len(order)
+        for name, side in order[shift:] + order[:shift]:
+            started = time.perf_counter()
+            side.fetch(adapter_id)
+            elapsed = time.perf_counter() - started
+            side.reset(adapter_id)
+            times[name].append(elapsed)
+            if log is not None:
+                log(f"miss: {adapter_id} {name}: {elapsed * 1000:.1f} ms")
+    return times
+
+
 def measure(
     registry: str, sidecar: SidecarStager, bare: BareS3 | BareLocal, adapters: list[Adapter],
     runs: int, log: Any,
 ) -> list[MissResult]:
-    """Interleaved rounds (which side goes first alternates), after one untimed fetch of the
-    first adapter by each side (connections, imports)."""
+    """Per adapter, the sidecar's cold stage beside the bare fetch, interleaved (the first
+    adapter warms both up)."""
     results = []
-    for side in (sidecar, bare):
-        side.fetch(adapters[0].adapter_id)
-        side.reset(adapters[0].adapter_id)
     for adapter in adapters:
-        stage_s: list[float] = []
-        bare_s: list[float] = []
-        for round_index in range(runs):
-            order = [("sidecar", sidecar), ("bare", bare)]
-            if round_index % 2:
-                order.reverse()
-            for name, side in order:
-                started = time.perf_counter()
-                side.fetch(adapter.adapter_id)
-                elapsed = time.perf_counter() - started
-                side.reset(adapter.adapter_id)
-                (stage_s if name == "sidecar" else bare_s).append(elapsed)
-                log(f"miss, {registry}: {_size(adapter.size_bytes)} {name}: "
-                    f"{elapsed * 1000:.1f} ms")
-        results.append(MissResult(registry, adapter.adapter_id, adapter.size_bytes, stage_s,
-                                  bare_s))
+        times = interleaved({"sidecar": sidecar, "bare": bare}, adapter.adapter_id, runs, log,
+                            warm=adapter is adapters[0])
+        results.append(MissResult(registry, adapter.adapter_id, adapter.size_bytes,
+                                  times["sidecar"], times["bare"]))
     return results
 
 
@@ -247,45 +255,46 @@ def local_sidecar(sup: Supervisor, command: list[str], root: Path, cache_root: P
                          ("--registry", str(root), *extra_args), name="sidecar")
 
 
-def compare_small(rounds: int, dest: Path, compared: list[tuple[str, Path]]) -> str:
-    """The small adapter's miss from a local folder, this checkout's sidecar beside others
-    and the bare copy, interleaved (the order rotates each round): the medians and quartiles
-    of many rounds, for a machine too busy for one run's figure to mean much."""
+def compare_small(rounds: int, dest: Path, compared: list[tuple[str, Path]],
+                  registry: str = "local") -> str:
+    """The small adapter's miss from a local folder (or moto), this checkout's sidecar beside
+    others and the bare client, interleaved (the order rotates each round): the medians and
+    quartiles of many rounds, for a machine too busy for one run's figure to mean much."""
+    from . import adapters as adapters_mod
     from .bench import REPO
-    from .servers import s3_env
+    from .servers import s3_env, start_moto
 
     work = REPO / "benchmarks" / ".work"
     sup = Supervisor(work / "logs")
     small = small_adapter(work / "adapters")
     shutil.rmtree(dest, ignore_errors=True)
-    sides: dict[str, SidecarStager | BareLocal] = {}
+    sides: dict[str, SidecarStager | BareLocal | BareS3] = {}
     try:
+        moto = start_moto(sup) if registry == "moto" else None
+        if moto is not None:
+            os.environ.update(s3_env(os.environ, work))  # this process's own S3 clients
+            adapters_mod.upload(s3_client(moto.endpoint_url), [small])
         for label, source in [("sidecar", REPO), *compared]:
             env = s3_env(os.environ, work)
             env["PYTHONPATH"] = str(source.resolve())
-            sides[label if label == "sidecar" else f"sidecar ({label})"] = local_sidecar(
-                sup, [sys.executable, "-P", "-m", "sidecar"], work / "adapters",
-                dest / f"cache-{label}", env, ())
-        sides["bare"] = BareLocal(work / "adapters", dest / "bare", _policy())
-        times: dict[str, list[float]] = {name: [] for name in sides}
-        for side in sides.values():  # untimed: imports, page cache
-            side.fetch(small.adapter_id)
-            side.reset(small.adapter_id)
-        for round_index in range(rounds):
-            order = list(sides.items())
-            shift = round_index % len(order)
-            for name, side in order[shift:] + order[:shift]:
-                started = time.perf_counter()
-                side.fetch(small.adapter_id)
-                times[name].append((time.perf_counter() - started) * 1000)
-                side.reset(small.adapter_id)
+            command = [sys.executable, "-P", "-m", "sidecar"]
+            name = label if label == "sidecar" else f"sidecar ({label})"
+            sides[name] = (local_sidecar(sup, command, work / "adapters",
+                                         dest / f"cache-{label}", env, ()) if moto is None
+                           else SidecarStager(sup, command, moto, dest / f"cache-{label}", env,
+                                              name=name))
+        sides["bare"] = (BareLocal(work / "adapters", dest / "bare", _policy()) if moto is None
+                         else BareS3(moto, dest / "bare", _policy()))
+        times = {name: [t * 1000 for t in ts]
+                 for name, ts in interleaved(sides, small.adapter_id, rounds).items()}
     finally:
         bare = sides.get("bare")
-        if isinstance(bare, BareLocal):
+        if isinstance(bare, BareLocal | BareS3):
             bare.close()
         sup.stop_all()
         shutil.rmtree(dest, ignore_errors=True)
-    lines = [f"\n{_size(small.size_bytes)} adapter from a local folder, {rounds} interleaved "
+    where = "a local folder" if registry == "local" else registry
+    lines = [f"\n{_size(small.size_bytes)} adapter from {where}, {rounds} interleaved "
              f"rounds, on {dest.parent}:\n",
              "| client | median ms | quartiles ms |", "|---|---:|---|"]
     for name, values in times.items():
@@ -297,9 +306,13 @@ def compare_small(rounds: int, dest: Path, compared: list[tuple[str, Path]]) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.miss",
-        description="The small adapter's miss from a local folder against the bare copy, "
-        "many interleaved rounds (the full miss phase is `benchmarks/run.sh --phases miss`).")
+        description="The small adapter's miss from a local folder (or moto) against the bare "
+        "client, many interleaved rounds (the full miss phase is `benchmarks/run.sh --phases "
+        "miss`).")
     parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--registry", choices=("local", "moto"), default="local",
+                        help="where the adapter comes from: a local folder, or moto (the "
+                        "tests' S3) in a process of its own")
     parser.add_argument("--dest", type=Path, default=Path("/dev/shm/lsbench-miss"),
                         help="where the caches and copies go (default tmpfs; a folder on disk "
                         "adds the fsyncs' cost)")
@@ -308,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     compared = [(label, Path(path)) for label, _, path in
                 (spec.partition("=") for spec in args.compare)]
-    print(compare_small(args.rounds, args.dest, compared))
+    print(compare_small(args.rounds, args.dest, compared, args.registry))
     return 0
 
 

@@ -32,9 +32,13 @@ COUNTER_MAX = 15
 _MAGIC = b"LSFREQ1\n"
 _HEADER = struct.Struct("<8sIIQQ")  # magic, depth, width, requests since halving, period
 _CRC = struct.Struct("<I")
-# Every counter's low 7 bits: halving all of them is one shift of one big integer and a mask
-# (a few milliseconds for the whole sketch, where a loop in Python takes a hundred).
-_HALF_MASK = int.from_bytes(b"\x7f" * (DEPTH * WIDTH), "little")
+# Halving works block by block, and only on blocks holding a non-zero counter: with few
+# adapters on disk the period is short (AGING x adapters on disk), and halving the whole
+# sketch every few requests was the largest cost of a /stage hit (benchmarks/README.md, "hit
+# path"). A block is halved by one shift of one integer and a mask.
+BLOCK = 4096
+_BLOCKS = DEPTH * WIDTH // BLOCK
+_HALF_MASK = int.from_bytes(b"\x7f" * BLOCK, "little")
 
 
 @functools.lru_cache(maxsize=8192)
@@ -55,6 +59,7 @@ class FrequencySketch:
 
     def __init__(self, period: int = 0) -> None:
         self._counters = array("B", bytes(DEPTH * WIDTH))
+        self._busy: set[int] = set()  # blocks that may hold a non-zero counter (<= _BLOCKS)
         self.period = period  # requests between halvings; 0: set by the policy
         self.since_halving = 0
         self.halvings = 0  # how many times the counts were halved, for tests and the policy
@@ -65,7 +70,7 @@ class FrequencySketch:
 
     def estimate(self, adapter_id: str) -> int:
         counters = self._counters
-        return min(counters[slot] for slot in _slots(adapter_id))
+        return min(map(counters.__getitem__, _slots(adapter_id)))
 
     def add(self, adapter_id: str) -> int:
         """Count one request (conservative update: only the smallest counters grow, which keeps
@@ -76,19 +81,26 @@ class FrequencySketch:
             self.since_halving = 1
         counters = self._counters
         slots = _slots(adapter_id)
-        new = min(counters[slot] for slot in slots) + 1
+        new = min(map(counters.__getitem__, slots)) + 1  # no generator frame (hit path)
         if new > COUNTER_MAX:
             return COUNTER_MAX
+        busy = self._busy
         for slot in slots:
             if counters[slot] < new:
                 counters[slot] = new
+                busy.add(slot // BLOCK)
         return new
 
     def halve(self) -> None:
-        packed = int.from_bytes(self._counters.tobytes(), "little")
-        halved = array("B")
-        halved.frombytes(((packed >> 1) & _HALF_MASK).to_bytes(DEPTH * WIDTH, "little"))
-        self._counters = halved
+        """Every counter halved, in place; blocks left all zero are no longer visited."""
+        view = memoryview(self._counters)
+        for block in list(self._busy):
+            start = block * BLOCK
+            packed = int.from_bytes(view[start:start + BLOCK], "little")
+            halved = (packed >> 1) & _HALF_MASK
+            view[start:start + BLOCK] = halved.to_bytes(BLOCK, "little")
+            if not halved:
+                self._busy.discard(block)
         self.halvings += 1
 
     # ---- on disk: <cache-root>/.frequency, replaced whole ------------------------------------
@@ -112,6 +124,9 @@ class FrequencySketch:
         sketch = cls(period)
         sketch._counters = array("B")
         sketch._counters.frombytes(body[_HEADER.size:])
+        view, zero = memoryview(sketch._counters), bytes(BLOCK)
+        sketch._busy = {block for block in range(_BLOCKS)
+                        if view[block * BLOCK:(block + 1) * BLOCK] != zero}
         sketch.since_halving = since
         return sketch
 

@@ -6,6 +6,10 @@ host, through the proxy the environment names, never for loopback): it drops a p
 connection the server closed while it idled, and retries a request whose reused connection
 died under it. Each body is read straight from the response into the download's reused
 buffer. Listing, HEAD and signing stay with botocore in `s3_client.py`.
+
+An object fetched in one GET is asked for whole (no Range) with `x-amz-checksum-mode`, so
+that its answer carries the registry's full-object checksums: no HEAD is needed for them
+(S3 does not promise them for a range of one).
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ RESIGN_AFTER_S = 300.0
 _CODE = re.compile(rb"<Code>([A-Za-z0-9.]{1,64})</Code>")
 _MESSAGE = re.compile(rb"<Message>([^<]{0,300})</Message>")
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+# What a whole-object GET's answer says of the object, under the names of a HEAD's answer
+# (botocore's), which is what the checksum comparison reads.
+_ANSWER_FIELDS = {"ETag": "ETag", "ChecksumCRC32": "x-amz-checksum-crc32",
+                  "ChecksumSHA256": "x-amz-checksum-sha256",
+                  "ChecksumType": "x-amz-checksum-type"}
 
 
 class _Idle:
@@ -144,11 +153,15 @@ class RangeReader:
 
     `sign()` returns a freshly presigned URL (blocking: it waits for the event loop); it is
     called when the URL is older than RESIGN_AFTER_S or the registry says it expired.
+
+    `whole`: the object is read in one GET, asked for whole with the registry's checksums
+    (the URL must be signed with `x-amz-checksum-mode`); `answered` then holds them, as a
+    HEAD would, once a read has opened.
     """
 
     def __init__(self, pool: ConnectionPool, url: str, sign: Callable[[], str], etag: str,
                  size_bytes: int, describe: str, adapter_id: str,
-                 on_error: Callable[[], None]) -> None:
+                 on_error: Callable[[], None], *, whole: bool = False) -> None:
         self._pool = pool
         self._url = url
         self._signed_at = time.monotonic()
@@ -159,6 +172,8 @@ class RangeReader:
         self._describe = describe  # the object, for messages: never the signed URL
         self._adapter_id = adapter_id
         self._on_error = on_error
+        self._whole = whole
+        self.answered: dict[str, str] = {}  # a whole GET's checksums, named as a HEAD's
 
     def _current_url(self, expired: str | None = None) -> str:
         """The URL to use, signed again if it is old or is the one that just expired."""
@@ -169,8 +184,12 @@ class RangeReader:
             return self._url
 
     def open(self, start: int, end: int) -> _HttpRangeStream:
-        headers = {"Range": f"bytes={start}-{end - 1}", "If-Match": self._etag,
-                   "Accept-Encoding": "identity"}
+        whole = self._whole and (start, end) == (0, self._size_bytes)
+        headers = {"If-Match": self._etag, "Accept-Encoding": "identity"}
+        if whole:
+            headers["x-amz-checksum-mode"] = "ENABLED"  # signed into the URL
+        else:
+            headers["Range"] = f"bytes={start}-{end - 1}"
         expired: str | None = None
         while True:
             url = self._current_url(expired)
@@ -178,8 +197,8 @@ class RangeReader:
                 response = self._pool.get(url, headers)
             except (HTTPError, OSError, http.client.HTTPException) as exc:
                 raise self.fault(exc) from exc
-            if response.status == 206:
-                return self._check_range(response, start, end)
+            if response.status == (200 if whole else 206):
+                return self._check_range(response, start, end, whole=whole)
             code, message = _error_of(response)
             if expired is None and s3_cause(response.status, code, message) == (
                     "credentials_expired"):
@@ -189,19 +208,28 @@ class RangeReader:
                 continue
             raise self._refusal(response.status, code, message, after_resign=expired is not None)
 
-    def _check_range(self, response: urllib3.BaseHTTPResponse, start: int,
-                     end: int) -> _HttpRangeStream:
-        match = _CONTENT_RANGE.fullmatch(response.headers.get("Content-Range", ""))
-        total = match.group(3) if match else ""
-        if (response.length_remaining != end - start or match is None
-                or int(match.group(1)) != start or total != str(self._size_bytes)):
+    def _check_range(self, response: urllib3.BaseHTTPResponse, start: int, end: int, *,
+                     whole: bool) -> _HttpRangeStream:
+        """The answer is the range asked for (or, `whole`, the object of the listed size)."""
+        if whole:
+            answered = f"{response.length_remaining} bytes"
+            intact = response.length_remaining == self._size_bytes
+        else:
+            answered = f"bytes {response.headers.get('Content-Range')}"
+            match = _CONTENT_RANGE.fullmatch(response.headers.get("Content-Range", ""))
+            intact = (response.length_remaining == end - start and match is not None
+                      and int(match.group(1)) == start
+                      and match.group(3) == str(self._size_bytes))
+        if not intact:
             _discard(response)
             raise RegistryObjectChanged(
-                f"{self._describe}: the registry answered bytes "
-                f"{response.headers.get('Content-Range')} for {start}-{end - 1} of "
+                f"{self._describe}: the registry answered {answered} for {start}-{end - 1} of "
                 f"{self._size_bytes}; the object changed",
                 adapter_id=self._adapter_id, cause="size_changed",
             )
+        if whole:
+            self.answered = {name: value for name, header in _ANSWER_FIELDS.items()
+                             if (value := response.headers.get(header)) is not None}
         return _HttpRangeStream(self, response)
 
     def _refusal(self, status: int, code: str, message: str, *,

@@ -35,7 +35,7 @@ from .checksum import crc32_hex, s3_checksum_hex
 from .httpranges import ConnectionPool, RangeReader
 from .proxies import botocore_proxies
 from .s3errors import NOT_READY_CAUSES, s3_cause
-from .transfer import Inspector, TransferPolicy, download
+from .transfer import Digests, Inspector, TransferPolicy, download, part_starts
 
 log = logging.getLogger(__name__)
 
@@ -174,11 +174,16 @@ class S3Registry:
     ) -> FetchedFile:
         # One signature for the ranges of the file, signed again when it grows old or the
         # registry says it expired (short-lived credentials); the ranges are plain HTTP.
-        url = await self._presign(adapter_id, file)
+        # A file of one GET, hashed anyway, is asked for whole with its checksums: its own
+        # answer brings what a HEAD would (the bytes' checks are the same, a request less).
+        whole = (sha256 and file.size_bytes > 0
+                 and len(part_starts(file.size_bytes, self._policy)) == 1)
+        url = await self._presign(adapter_id, file, checksums=whole)
         loop = asyncio.get_running_loop()
 
         def sign() -> str:  # from a worker thread: the loop signs
-            signing = asyncio.run_coroutine_threadsafe(self._presign(adapter_id, file), loop)
+            signing = asyncio.run_coroutine_threadsafe(
+                self._presign(adapter_id, file, checksums=whole), loop)
             try:
                 return signing.result(self._call_timeout_s)
             except TimeoutError:
@@ -189,7 +194,11 @@ class S3Registry:
 
         reader = RangeReader(self._pool, url, sign, file.etag, file.size_bytes,
                              f"s3://{self.bucket}/{file.locator}", adapter_id,
-                             lambda: self._on_error("get"))
+                             lambda: self._on_error("get"), whole=whole)
+        if whole:
+            digests = await download(reader.open, dest, file.size_bytes, self._policy, on_bytes,
+                                     sha256=True, inspect=inspect)
+            return _fetched(digests, reader.answered)
         # The HEAD brings the registry's own checksums, if it keeps any, while the bytes flow;
         # a SHA-256 is computed only when there is one to compare with (CRC-32 always is).
         head_task = asyncio.create_task(self._call(
@@ -213,15 +222,15 @@ class S3Registry:
             if not head_task.done():
                 head_task.cancel()
                 await asyncio.gather(head_task, return_exceptions=True)
-        return FetchedFile(crc32_hex(digests.crc32), digests.sha256,
-                           registry_crc32=_checksum(head, "CRC32"),
-                           registry_sha256=_checksum(head, "SHA256"))
+        return _fetched(digests, head)
 
-    async def _presign(self, adapter_id: str, file: RemoteFile) -> str:
+    async def _presign(self, adapter_id: str, file: RemoteFile, *, checksums: bool) -> str:
+        params = {"Bucket": self.bucket, "Key": file.locator}
+        if checksums:
+            params["ChecksumMode"] = "ENABLED"
         url: str = await self._call(
             "presign", adapter_id, self._client.generate_presigned_url,
-            ClientMethod="get_object", Params={"Bucket": self.bucket, "Key": file.locator},
-            ExpiresIn=PRESIGNED_URL_TTL_S)
+            ClientMethod="get_object", Params=params, ExpiresIn=PRESIGNED_URL_TTL_S)
         return url
 
     async def _call(
@@ -305,6 +314,13 @@ def _answered_at(response: dict[str, Any]) -> float | None:
         return email.utils.parsedate_to_datetime(date).timestamp() if date else None
     except (TypeError, ValueError):
         return None
+
+
+def _fetched(digests: Digests, answer: dict[str, Any]) -> FetchedFile:
+    """The file's own checksums beside the registry's (from a HEAD or the GET's answer)."""
+    return FetchedFile(crc32_hex(digests.crc32), digests.sha256,
+                       registry_crc32=_checksum(answer, "CRC32"),
+                       registry_sha256=_checksum(answer, "SHA256"))
 
 
 def _checksum(response: dict[str, Any], algorithm: str) -> str | None:

@@ -63,6 +63,27 @@ def test_saved_counts_read_back_the_same(tmp_path: Path) -> None:
     assert not (tmp_path / f"{FREQUENCY_FILE_NAME}.new").exists()
 
 
+def test_counts_read_back_are_halved_like_the_others(tmp_path: Path) -> None:
+    sketch = FrequencySketch()
+    ids = [f"adapter-{n}" for n in range(0, 100_000, 997)]  # counters all over the sketch
+    for adapter_id in ids:
+        for _ in range(12):
+            sketch.add(adapter_id)
+    save_sketch(tmp_path, sketch.to_bytes())
+    loaded = load_sketch(tmp_path)
+    assert loaded is not None
+
+    loaded.halve()
+    halved_once = [loaded.estimate(i) for i in ids]
+    for _ in range(3):
+        loaded.halve()
+
+    assert set(halved_once) == {6}
+    assert [loaded.estimate(i) for i in ids] == [0] * len(ids)
+    counters = loaded.to_bytes()[-4 - loaded.size_bytes:-4]
+    assert counters == bytes(loaded.size_bytes)  # no counter anywhere left over
+
+
 @pytest.mark.parametrize("damage", ["truncated", "flipped", "foreign"])
 def test_a_damaged_file_is_refused_and_the_counts_start_from_zero(
         tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture) -> None:

@@ -136,6 +136,31 @@ async def test_bytes_corrupted_in_transit_once_are_fetched_again_and_staged_inta
 
 
 @pytest.mark.parametrize("algorithm", ["CRC32", "SHA256"])
+async def test_a_file_of_one_get_is_checked_against_the_checksums_its_own_answer_brings(
+    tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
+    algorithm: str,
+) -> None:
+    adapter_id = f"{algorithm.lower()}-whole"
+    files = upload(s3, tmp_path, adapter_id, algorithm)
+    s3.proxy.body_faults.append(BodyFault(weights_get, after_bytes=200_000, mode="flip"))
+    # Every file fits one part: each is one GET of the whole object, and no HEAD is made.
+    sidecar = await start_sidecar(s3_settings(tmp_path, s3, part_size_bytes=64 * 1024**2))
+
+    status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": adapter_id})
+
+    assert status == 200, body
+    weights_gets = s3.proxy.gets(s3.key(adapter_id, WEIGHTS))
+    assert len(weights_gets) == 2  # the flipped bit was caught by the registry's checksum
+    assert all(seen.range is None for seen in weights_gets)
+    assert [seen for seen in s3.proxy.seen if seen.method == "HEAD"] == []
+    assert staged_weights(body) == files[WEIGHTS]
+    recorded = record_of(body)
+    for name, data in files.items():
+        assert recorded[name]["crc32"] == f"{zlib.crc32(data):08x}"
+        assert recorded[name]["sha256"] == hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize("algorithm", ["CRC32", "SHA256"])
 async def test_bytes_corrupted_on_every_download_are_a_retryable_503_that_is_not_remembered(
     tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
     algorithm: str,
