@@ -208,6 +208,9 @@ async def test_a_fresh_sidecar_exports_every_known_series_at_zero_and_no_created
             "reason", ("exhausted", "spares_low", "window", "requested", "engine_lost")),
         "lora_sidecar_signature_verifications_total": (
             "outcome", ("verified", "unsigned", "refused")),
+        "lora_sidecar_catalog_name_changes_total": (
+            "change", ("bound", "parked", "returned", "burnt")),
+        "lora_sidecar_stage_requests_total": ("result", ("hit", "miss", "error")),
         "lora_sidecar_tenant_refusals_total": ("route", metrics.TENANT_ROUTES),
         # every code a check can give (tests/unit/validation/test_problem.py walks them)
         "lora_sidecar_validation_failures_total": ("reason", PROBLEM_CODES),
