@@ -27,6 +27,7 @@ from . import hitpath, link, miss
 from .adapters import Adapter
 from .clients import (
     Boto3Stager,
+    CommandStager,
     CrtStager,
     SidecarStager,
     Stager,
@@ -113,6 +114,8 @@ def run_cold(
     table = results.cold.setdefault(phase, {})
     cpu_table = results.cold_cpu.setdefault(phase, {})
     for stager in stagers:  # warm-up, untimed: imports, connections, page cache
+        if ctx.args.quick and isinstance(stager, CommandStager):
+            continue  # a new process each fetch: --quick leaves it nothing worth warming
         stager.reset(ctx.adapters[0].adapter_id)
         timed_fetch(stager, ctx.adapters[0])
     for round_index in range(runs):
@@ -265,29 +268,27 @@ def hit_phase(ctx: Context, sidecar: SidecarStager, adapter: Adapter, results: R
         ctx.sup.stop(bare)
 
 
-def miss_phase(ctx: Context, results: Results) -> None:
-    """A small adapter and the largest, staged cold from moto and from a local folder, each
-    beside the same listing and ranged GETs made bare (benchmarks/miss.py)."""
+def miss_phase(ctx: Context, results: Results, moto: S3Server, uploaded: set[str]) -> None:
+    """A small adapter and the largest (--quick: the smallest of the run), staged cold from
+    moto (`uploaded`: the ids it holds already) and from a local folder, each beside the same
+    listing and ranged GETs made bare (benchmarks/miss.py)."""
     small = miss.small_adapter(ctx.work / "adapters")
-    chosen = [small, ctx.adapters[-1]]
+    chosen = [small, ctx.adapters[0] if ctx.args.quick else ctx.adapters[-1]]
     policy = miss._policy()
     runs = ctx.args.runs if ctx.args.quick else max(ctx.args.runs, 5)
-    moto = start_moto(ctx.sup)
+    log("miss: uploading to moto")
+    adapters_mod.upload(s3_client(moto.endpoint_url),
+                        [a for a in chosen if a.adapter_id not in uploaded])
+    sidecar = start_sidecar(ctx, moto)
+    bare = miss.BareS3(moto, ctx.dest / "miss-bare-moto", policy)
     try:
-        log("miss: uploading to moto")
-        adapters_mod.upload(s3_client(moto.endpoint_url), chosen)
-        sidecar = start_sidecar(ctx, moto)
-        bare = miss.BareS3(moto, ctx.dest / "miss-bare-moto", policy)
-        try:
-            # moto copies the whole object for every ranged GET: the largest adapter gets
-            # --moto-runs rounds, as in the moto phase.
-            found = miss.measure("moto", sidecar, bare, chosen[:1], runs, log)
-            found += miss.measure("moto", sidecar, bare, chosen[1:], ctx.args.moto_runs, log)
-        finally:
-            sidecar.close()
-            bare.close()
+        # moto copies the whole object for every ranged GET: the largest adapter gets
+        # --moto-runs rounds, as in the moto phase.
+        found = miss.measure("moto", sidecar, bare, chosen[:1], runs, log)
+        found += miss.measure("moto", sidecar, bare, chosen[1:], ctx.args.moto_runs, log)
     finally:
-        ctx.sup.stop(moto.proc)
+        sidecar.close()
+        bare.close()
     results.miss += [asdict(r) for r in found]
     command = ([str(REPO / ".venv" / "bin" / "lora-sidecar")] if ctx.args.sidecar_src is None
                else [sys.executable, "-P", "-m", "sidecar"])
@@ -466,18 +467,21 @@ def run_phases(ctx: Context, results: Results) -> None:
     if phases & {"memory", "hit"}:
         memory_and_hit_phase(ctx, s3rver, results)
     ctx.sup.stop(s3rver.proc)
-    if "moto" in phases:
-        moto = start_moto(ctx.sup)
+    if phases & {"moto", "miss"}:
+        moto = start_moto(ctx.sup)  # one moto for both phases
         try:
-            log("uploading to moto")
-            adapters_mod.upload(s3_client(moto.endpoint_url), ctx.adapters)
-            # moto copies the whole object for every ranged GET
-            cold_phase(smallest_only(ctx), "loopback, moto", moto, results,
-                       runs=ctx.args.moto_runs)
+            uploaded: set[str] = set()
+            if "moto" in phases:
+                log("uploading to moto")
+                moto_ctx = smallest_only(ctx)
+                adapters_mod.upload(s3_client(moto.endpoint_url), moto_ctx.adapters)
+                uploaded.update(a.adapter_id for a in moto_ctx.adapters)
+                # moto copies the whole object for every ranged GET
+                cold_phase(moto_ctx, "loopback, moto", moto, results, runs=ctx.args.moto_runs)
+            if "miss" in phases:
+                miss_phase(ctx, results, moto, uploaded)
         finally:
             ctx.sup.stop(moto.proc)
-    if "miss" in phases:
-        miss_phase(ctx, results)
     if "shaped" in phases:
         shaped = link.set_up(SHAPED_MBIT)
         try:

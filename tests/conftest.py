@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar.config import Settings
 from sidecar.process.app import Sidecar
-from tests.support import summary
+from tests.support import scheduling, summary
 from tests.support.api import StartSidecar
 from tests.support.processes import SidecarProcess
 from tests.support.s3 import BUCKET, S3Registry, reset_moto
@@ -42,6 +42,11 @@ def pytest_testnodedown(node: Any, error: object) -> None:
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     summary.write(config, terminalreporter)
+    busy = scheduling.busy_lines(terminalreporter.stats)
+    if busy:  # a parallel run: how long each worker worked, beside the slowest tests
+        terminalreporter.write_sep("-", "time per worker (set-ups and teardowns included)")
+        for line in busy:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import stat
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,8 +71,11 @@ class _Forward(FileSystemEventHandler):
                  queue: asyncio.Queue[FileSystemEvent]) -> None:
         self._loop = loop
         self._queue = queue
+        self.closed = False  # set by Watcher.stop: whatever comes after goes nowhere
 
     def on_any_event(self, event: FileSystemEvent) -> None:
+        if self.closed:
+            return
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
         except RuntimeError:  # the loop closed while the observer was stopping
@@ -107,6 +111,8 @@ class Watcher:
         self._root = str(store.adapters_dir) + os.sep
         self._queue: asyncio.Queue[FileSystemEvent] = asyncio.Queue()
         self._observer: BaseObserver | None = None
+        self._forward: _Forward | None = None
+        self._stopping: threading.Thread | None = None  # watchdog's own stop, see stop()
         self._changes: dict[str, int] = {}  # adapter id -> events seen while it is judged
         self._last_change: dict[str, float] = {}  # adapter id -> loop time of its last event
         self._judging: dict[str, asyncio.Task[None]] = {}
@@ -122,7 +128,8 @@ class Watcher:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         observer = Observer(timeout=OBSERVER_POLL_S)
-        observer.schedule(_Forward(loop, self._queue), str(self._store.adapters_dir),
+        self._forward = _Forward(loop, self._queue)
+        observer.schedule(self._forward, str(self._store.adapters_dir),
                           recursive=True, event_filter=_EVENTS)
         try:
             # Starting adds one inotify watch per folder: a directory walk, so off the loop.
@@ -135,10 +142,18 @@ class Watcher:
         self._observer = observer
 
     async def stop(self) -> None:
+        """Stop forwarding events at once. Watchdog's own stop joins its reading thread, which
+        may be sleeping out the 0.5 s it gives a moved file to meet its other half (after any
+        rename in the tree, ours included): it runs in a daemon thread of its own, not awaited,
+        and every watchdog thread ends by itself within that half second."""
         observer, self._observer = self._observer, None
-        if observer is not None:
-            observer.stop()
-            await asyncio.to_thread(observer.join, 5.0)
+        if observer is None:
+            return
+        if self._forward is not None:
+            self._forward.closed = True
+        self._stopping = threading.Thread(target=observer.stop, name="watcher-stop",
+                                          daemon=True)
+        self._stopping.start()
 
     async def run(self) -> None:
         """Judge what changed before the observer started, then every burst of events."""

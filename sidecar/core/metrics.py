@@ -35,6 +35,9 @@ RELOAD_OUTCOMES = ("ok", "error")
 NAME_STATES = ("unbound", "bound", "parked", "burnt", "retired")
 ENGINE_STATES = ("starting", "unreachable", "absent", "unconfirmed", "serving", "suspect",
                  "loading")
+# The routes a tenant's token can be refused on (web/api.py's `_authorize`; a test keeps them
+# equal). The validation codes are validation/problem.py's, passed in by the wiring.
+TENANT_ROUTES = ("stage", "evict", "pin", "unpin", "compact")
 
 # The text format of /metrics/epp (hand-rendered: one gauge per adapter, web/epp.py).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -62,7 +65,8 @@ class Metrics:
     """The sidecar's metrics. `process/app.py` makes one per process; tests make their own."""
 
     def __init__(self, metrics_registry: CollectorRegistry | None = None, *,
-                 process: bool = True, eviction_policy: str = "") -> None:
+                 process: bool = True, eviction_policy: str = "",
+                 problem_codes: Sequence[str] = ()) -> None:
         self.metrics_registry = (metrics_registry if metrics_registry is not None
                                  else CollectorRegistry())
         r = self.metrics_registry
@@ -193,6 +197,10 @@ class Metrics:
             self.catalog_names.labels(state=state)
         for state in ENGINE_STATES:
             self.triton_model_state.labels(state=state)
+        for route in TENANT_ROUTES:
+            self.tenant_refusals.labels(route=route)
+        for code in problem_codes:
+            self.validation_failures.labels(reason=code)
         if process:
             ProcessCollector(registry=r)
             PlatformCollector(registry=r)

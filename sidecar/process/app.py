@@ -33,6 +33,7 @@ from ..registry.base import AdapterRegistry
 from ..registry.kinds import open_registry
 from ..registry.listing import RegistryListing
 from ..registry.transfer import DEFAULT_ATTEMPTS, TransferPolicy, transfer_executor
+from ..validation.problem import PROBLEM_CODES
 from ..validation.signing_policy import describe_rules
 from ..validation.validate import Rules
 from ..web.api import READ_ONLY_ROUTES, Services, build_web_app
@@ -78,7 +79,8 @@ class Sidecar:
                  lock: CacheLock | None = None) -> None:
         self.settings = settings
         self.metrics = Metrics(metrics_registry,
-                               eviction_policy=settings.eviction_policy.value)
+                               eviction_policy=settings.eviction_policy.value,
+                               problem_codes=PROBLEM_CODES)
         self.health = Health()
         self._disk_full: str | None = None  # why no new adapter fits the cache volume
         self.rules = Rules.from_settings(settings)

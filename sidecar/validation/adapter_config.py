@@ -128,7 +128,7 @@ def _rank_pattern_faults(pattern: object, max_lora_rank: int) -> list[Fault]:
         return []
     if not isinstance(pattern, dict):
         return [("invalid_rank_pattern", f"rank_pattern must be an object, got {_json(pattern)}")]
-    faults = [
+    faults: list[Fault] = [
         ("invalid_rank_pattern",
          f"LoRA rank for `{shown(key)}` in `rank_pattern` must be a positive integer, got "
          f"{_json(value)}.")

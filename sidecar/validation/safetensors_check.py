@@ -14,8 +14,10 @@ from typing import Any, BinaryIO
 
 from safetensors import safe_open
 
+from .problem import ProblemCode
+
 # A fault is (stable code, human message); validate.py adds the file name.
-Fault = tuple[str, str]
+Fault = tuple[ProblemCode, str]
 
 HEADER_MAX_BYTES = 16 * 1024**2  # policy D14; the reference reader allows 100 MB
 _MAX_U64 = 2**64 - 1

@@ -33,7 +33,7 @@ from .files import (
     plan_folder,
 )
 from .options import ValidationOptions
-from .problem import Problem
+from .problem import Problem, ProblemCode
 from .safetensors_check import TensorInfo, check_safetensors, shown
 from .shapes import ATTENTION_MODULES, ModelShapes
 from .signatures import verify_folder
@@ -407,7 +407,7 @@ def _check_pair(
     return problems
 
 
-def _tensor_problem(code: str, message: str) -> Problem:
+def _tensor_problem(code: ProblemCode, message: str) -> Problem:
     return Problem(code, WEIGHTS_FILE, shown(message, limit=1000))
 
 

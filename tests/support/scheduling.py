@@ -14,6 +14,9 @@ between its workers, safe by default for tests written later:
 
 from __future__ import annotations
 
+from collections import defaultdict
+from typing import Any
+
 import pytest
 from xdist.remote import Producer
 from xdist.scheduler import LoadScopeScheduling
@@ -44,3 +47,25 @@ class TierScheduling(LoadScopeScheduling):
         if HEAVY in self.workqueue:
             self.workqueue.move_to_end(HEAVY, last=False)
         super()._assign_work_unit(node)
+
+
+
+# ---- how busy each worker was -------------------------------------------------------------
+
+
+def busy_lines(stats: dict[str, list[Any]]) -> list[str]:
+    """One line per xdist worker: its tests and their seconds, set-ups and teardowns included,
+    from the reports of the run (the terminal reporter's `stats`, as --durations reads them).
+    The busiest worker sets the run's length; the gap is what a better sharing could save."""
+    busy: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0])  # seconds, tests, heavy
+    for report in (r for reports in stats.values() for r in reports):
+        worker = getattr(getattr(getattr(report, "node", None), "gateway", None), "id", None)
+        duration = getattr(report, "duration", None)
+        if worker is None or duration is None:
+            continue
+        busy[worker][0] += duration
+        busy[worker][1] += report.when == "call"
+        busy[worker][2] += unit_of(report.nodeid) == HEAVY
+    return [f"{worker}: {int(tests)} tests, {seconds:.0f} s"
+            + (f" ({HEAVY} among them)" if heavy else "")
+            for worker, (seconds, tests, heavy) in sorted(busy.items())]

@@ -241,3 +241,22 @@ async def test_a_folder_copied_in_private_is_published_with_a_stages_modes(
     assert copied.keys() == staged.keys()
     assert copied == staged, (copied, staged)
     assert all(mode & 0o044 == 0o044 for mode in copied.values())  # readable by the engine
+
+
+async def test_events_watchdog_delivers_after_stop_reach_nothing(tmp_path: Path) -> None:
+    """The watcher stops forwarding at once (watchdog's threads end on their own within half a
+    second): an event its thread hands over after the stop never reaches the loop's queue."""
+    from watchdog.events import DirCreatedEvent, FileSystemEvent
+
+    from sidecar.cache.watcher import _Forward
+
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[FileSystemEvent] = asyncio.Queue()
+    forward = _Forward(loop, queue)
+    before, after = DirCreatedEvent(str(tmp_path / "a")), DirCreatedEvent(str(tmp_path / "b"))
+    await asyncio.to_thread(forward.on_any_event, before)  # from a thread, as watchdog's
+    forward.closed = True
+    await asyncio.to_thread(forward.on_any_event, after)
+    sentinel = DirCreatedEvent(str(tmp_path / "sentinel"))
+    loop.call_soon_threadsafe(queue.put_nowait, sentinel)  # queued behind anything forwarded
+    assert [await queue.get(), await queue.get()] == [before, sentinel]

@@ -3,6 +3,7 @@ moves by exactly what happened, and the cache gauges agree with the folders on d
 
 from __future__ import annotations
 
+import ast
 import math
 import platform
 import shutil
@@ -21,6 +22,7 @@ from tests.support.s3proxy import Seen
 from tests.support.settings import local_registry_adapter, make_settings, s3_settings
 from tests.support.waiting import eventually
 
+REPO = Path(__file__).resolve().parents[3]
 TRUNCATED = next(case for case in CORPUS if case.name == "truncated_file")
 
 
@@ -191,6 +193,7 @@ async def test_a_fresh_sidecar_exports_every_known_series_at_zero_and_no_created
     from sidecar.catalog.engine_state import EngineState
     from sidecar.catalog.name_state import NameState
     from sidecar.core import metrics
+    from sidecar.validation.problem import PROBLEM_CODES
 
     sidecar = await start_sidecar(make_settings(tmp_path))
     async with http.get(f"{sidecar.url}/metrics") as response:
@@ -205,6 +208,12 @@ async def test_a_fresh_sidecar_exports_every_known_series_at_zero_and_no_created
             "reason", ("exhausted", "spares_low", "window", "requested", "engine_lost")),
         "lora_sidecar_signature_verifications_total": (
             "outcome", ("verified", "unsigned", "refused")),
+        "lora_sidecar_catalog_name_changes_total": (
+            "change", ("bound", "parked", "returned", "burnt")),
+        "lora_sidecar_stage_requests_total": ("result", ("hit", "miss", "error")),
+        "lora_sidecar_tenant_refusals_total": ("route", metrics.TENANT_ROUTES),
+        # every code a check can give (tests/unit/validation/test_problem.py walks them)
+        "lora_sidecar_validation_failures_total": ("reason", PROBLEM_CODES),
     }
     for sample, (label, values) in expected.items():
         for value in values:
@@ -216,3 +225,20 @@ async def test_a_fresh_sidecar_exports_every_known_series_at_zero_and_no_created
         m.value("lora_sidecar_catalog_names", state=state)  # present (the catalog sets it)
     for state in metrics.ENGINE_STATES:
         m.value("lora_sidecar_triton_model_state", state=state)
+    # and nothing else: each labelled counter has exactly the series declared for it
+    for sample, (label, values) in expected.items():
+        assert {s.labels[label] for s in m.families[sample.removesuffix("_total")]
+                if s.name == sample} == set(values), sample
+
+
+def test_the_tenant_routes_counted_are_the_routes_the_api_authorizes() -> None:
+    """TENANT_ROUTES (each counted from the first scrape) against every route name web/api.py
+    passes to `_authorize`, which every refusal of a tenant's token follows."""
+    from sidecar.core.metrics import TENANT_ROUTES
+
+    tree = ast.parse((REPO / "sidecar" / "web" / "api.py").read_text(encoding="utf-8"))
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+             and isinstance(node.func, ast.Name) and node.func.id == "_authorize"]
+    routes = [call.args[1] for call in calls]
+    assert all(isinstance(r, ast.Constant) for r in routes), "a route not written out"
+    assert sorted({r.value for r in routes if isinstance(r, ast.Constant)}) == sorted(TENANT_ROUTES)
