@@ -455,7 +455,7 @@ def print_robustness(results: list[tuple[Family, int, dict[str, list[float]], li
     print(f"| family | requests | goal | Belady (median) | {' | '.join(names)} |")
     print("|---|---:|---:|---:|" + "---:|" * len(names))
     for family, length, ratios, bests in results:
-        cells = [f"{min(ratios[n]):.2f} / {statistics.median(ratios[n]):.2f}" for n in names]
+        cells = [f"{min(ratios[n]):.3f} / {statistics.median(ratios[n]):.3f}" for n in names]
         print(f"| {family.name} | {length:,} | {family.goal:.2f} | "
               f"{statistics.median(bests):.3f} | {' | '.join(cells)} |")
 
