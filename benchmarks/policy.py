@@ -49,6 +49,7 @@ from sidecar.cache.eviction import make_policy
 from sidecar.cache.lru import CachedAdapter, LruIndex
 from sidecar.cache.records import AdapterRecord, FileRecord
 from sidecar.config import EvictionPolicyName
+from sidecar.core.fsutil import replace_file
 
 REPO = Path(__file__).resolve().parent.parent
 POLICIES = (EvictionPolicyName.LRU, EvictionPolicyName.LFU, EvictionPolicyName.TINYLFU,
@@ -519,7 +520,7 @@ def draw_curves(rows: list[Row], path: Path) -> None:
                            f'cy="{sy(r.outcomes[name].hit_ratio):.1f}" r="2" fill="{colour}"/>')
     out.append("</svg>")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(out) + "\n")
+    replace_file(path, ("\n".join(out) + "\n").encode())
 
 
 # ---- --http: a running sidecar replays a trace ---------------------------------------------
