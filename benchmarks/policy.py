@@ -1,9 +1,9 @@
 """Eviction policies on traces: the store's own policy objects (sidecar/cache/eviction.py),
 driven through the calls the store makes, against LRU and the offline optimum (Belady).
 
-    .venv/bin/python -m benchmarks.policy            # every trace, 100,000 requests: ~5 min
-    .venv/bin/python -m benchmarks.policy --quick    # shorter traces, fewer sizes: ~30 s
-    .venv/bin/python -m benchmarks.policy --robustness  # only the many-seed table: ~1 min
+    .venv/bin/python -m benchmarks.policy            # every trace, 100,000 requests: 5-20 min
+    .venv/bin/python -m benchmarks.policy --quick    # shorter traces, fewer sizes, 3 seeds: 1-3 min
+    .venv/bin/python -m benchmarks.policy --robustness  # only the many-seed table: 2 min
     .venv/bin/python -m benchmarks.policy --http     # a running sidecar replays a trace
     benchmarks/run.sh policy [--quick|--http]        # the same, building the venv first
 
