@@ -12,13 +12,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import struct
 import zlib
 from array import array
 from pathlib import Path
 
-from ..core.fsutil import fsync_dir
+from ..core.fsutil import replace_file
 from ..core.logs import fields
 
 log = logging.getLogger(__name__)
@@ -132,20 +131,8 @@ class FrequencySketch:
 
 
 def save_sketch(root: Path, data: bytes) -> None:
-    """Write the sketch's bytes whole, or leave the previous file (blocking: run in a thread):
-    a temporary file, fsynced, renamed over the old one, the folder fsynced."""
-    path = root / FREQUENCY_FILE_NAME
-    temporary = root / f"{FREQUENCY_FILE_NAME}.new"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temporary, path)
-    fsync_dir(root)
+    """Write the sketch's bytes whole, or leave the previous file (blocking: run in a thread)."""
+    replace_file(root / FREQUENCY_FILE_NAME, data)
 
 
 def load_sketch(root: Path) -> FrequencySketch | None:

@@ -52,6 +52,23 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def replace_file(path: Path, data: bytes) -> None:
+    """Write `data` as `path` whole, or leave the file that was there (blocking: run in a
+    thread): written to `<name>.new` beside it, fsynced, renamed over it, the folder fsynced.
+    A process killed meanwhile leaves at most that temporary file, for its reader to remove."""
+    temporary = path.with_name(f"{path.name}.new")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temporary, path)
+    fsync_dir(path.parent)
+
+
 def remove_tree(path: Path) -> None:
     """Delete a staging or trash folder, or a file (blocking: run in a thread)."""
     if path.is_dir() and not path.is_symlink():
