@@ -155,7 +155,7 @@ class World:
         assert self.store is not None and self.reloads is not None
         adapter = self.store.get(adapter_id)
         assert adapter is not None, f"{adapter_id} is not on disk"
-        name = self.reloads.naming_generation().serving_name(
+        name = self.reloads.serving.naming_generation().serving_name(
             adapter_id, adapter.record.content_digest)
         assert name is not None, f"{adapter_id} has no bound name"
         return name

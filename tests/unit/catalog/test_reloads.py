@@ -30,39 +30,6 @@ from tests.support.catalog_world import (
 from tests.support.settings import local_registry_adapter
 
 
-async def test_spares_are_sized_from_the_registry_with_room_for_uploads(world: World) -> None:
-    world.registry = frozenset(f"tenant-{n:04d}" for n in range(1000))
-    reloads = await world.start(spare_names=None)
-    assert len(spares_of(world)) == 1000 + 250  # an empty volume: the whole registry, + 1/4
-
-    assert reloads.spares_wanted({"tenant-0001", "other"}) == 999 + 250
-    world.registry = frozenset(f"t{n}" for n in range(40))
-    assert reloads.spares_wanted(set()) == 50
-    world.registry = frozenset({"t1"})
-    assert reloads.spares_wanted(set()) == 32  # never fewer
-    world.registry = frozenset(f"t{n}" for n in range(100_000))
-    assert reloads.spares_wanted(set()) == 4096  # --spare-names-max
-    world.registry = None
-    assert reloads.spares_wanted(set()) == 256  # the registry could not be listed yet
-
-
-@pytest.mark.parametrize("triton_url", ["http://127.0.0.1:1", None], ids=["triton", "no triton"])
-async def test_spares_off_is_a_warning_only_where_it_costs_reloads(
-    world: World, caplog: pytest.LogCaptureFixture, triton_url: str | None
-) -> None:
-    with caplog.at_level("INFO", logger="sidecar.catalog"):
-        await world.start(base_model_config=None, triton_url=triton_url)
-
-    said = [r for r in caplog.records if "spare names are off" in r.getMessage()]
-    assert len(said) == 1
-    if triton_url is None:  # `make run`: nothing is reloaded, so nothing to warn a newcomer of
-        assert said[0].levelname == "INFO" and "no reload" in said[0].getMessage()
-    else:
-        assert said[0].levelname == "WARNING" and "costs a reload" in said[0].getMessage()
-    assert not [r for r in caplog.records if "compaction planned" in r.getMessage()
-                and r.levelname != "DEBUG" and triton_url is None]
-
-
 async def test_running_low_on_spares_compacts_once_listing_every_adapter_by_its_own_name(
     world: World,
 ) -> None:
@@ -210,7 +177,7 @@ async def test_triton_unreachable_at_start_is_loaded_at_once_when_it_answers(
     reloads = await world.start(triton_reload_min_interval_s=3600.0)
     await reloads.sync()
     assert reloads.status()["triton"]["state"] == "unreachable"
-    assert "does not answer" in raises(CatalogPending, reloads.naming_generation)
+    assert "does not answer" in raises(CatalogPending, reloads.serving.naming_generation)
 
     world.control.reachable = True
     await reloads.sync()
@@ -323,7 +290,7 @@ async def test_an_unload_first_reload_makes_every_adapter_wait(world: World) -> 
     reload = asyncio.create_task(reloads.sync())
     await world.control.entered.wait()
 
-    message = raises(CatalogReloading, reloads.naming_generation)
+    message = raises(CatalogReloading, reloads.serving.naming_generation)
     assert "no engine serves until it is up" in message
     world.control.gate.set()
     await reload
