@@ -23,6 +23,8 @@ from sidecar.core.errors import (
 from tests.support.catalog_world import (
     World,
     api_sidecar,
+    compact,
+    hold_a_reload,
     raises,
     serving,
     spares_of,
@@ -62,8 +64,7 @@ async def test_compactions_wait_for_the_minimum_interval_between_reloads(world: 
     await world.stage("a1")
     world.clock.now_s += 10
 
-    reloads.request_compaction()
-    await reloads.sync()
+    await compact(reloads)
 
     assert world.control.loads() == 1
     plan = reloads.status()["next_compaction"]
@@ -111,8 +112,7 @@ async def test_with_spare_names_zero_each_new_adapter_costs_a_reload(world: Worl
 async def test_a_restart_with_spare_names_zero_gives_no_spare_left_from_before(
     world: World,
 ) -> None:
-    world.add_adapter("a1")
-    world.add_adapter("a2")
+    world.add_adapters("a1", "a2")
     await serving(world)
     name = await world.stage("a1")
 
@@ -254,20 +254,12 @@ async def test_a_lost_engine_whose_catalog_has_a_name_with_nothing_to_lead_to_co
 async def test_during_an_on_change_reload_the_serving_engines_names_stay_servable(
     world: World,
 ) -> None:
-    world.add_adapter("a1")
-    world.add_adapter("a2")
-    world.add_adapter("a3")
+    world.add_adapters("a1", "a2", "a3")
     reloads = await serving(world)
     await world.stage("a1")
-    reloads.request_compaction()
-    await reloads.sync()
+    await compact(reloads)
     given = await world.stage("a2")
-    world.control.gate = asyncio.Event()
-    world.control.entered.clear()
-    reloads.request_compaction()
-
-    reload = asyncio.create_task(reloads.sync())
-    await world.control.entered.wait()
+    reload = await hold_a_reload(world, reloads)
 
     assert reloads.status()["triton"]["reloading"] is True
     assert world.lora_name("a1") == "a1"
@@ -283,12 +275,7 @@ async def test_an_unload_first_reload_makes_every_adapter_wait(world: World) -> 
     world.add_adapter("a1")
     reloads = await serving(world, triton_reload=TritonReload.UNLOAD_FIRST)
     await world.stage("a1")
-    world.control.gate = asyncio.Event()
-    world.control.entered.clear()
-    reloads.request_compaction()
-
-    reload = asyncio.create_task(reloads.sync())
-    await world.control.entered.wait()
+    reload = await hold_a_reload(world, reloads)
 
     message = raises(CatalogReloading, reloads.serving.naming_generation)
     assert "no engine serves until it is up" in message
@@ -303,9 +290,7 @@ async def test_a_failed_reload_keeps_the_old_generation_and_is_retried(world: Wo
     reloads = await serving(world)
     name = await world.stage("a1")
     world.control.failures = 1
-    reloads.request_compaction()
-
-    await reloads.sync()
+    await compact(reloads)
 
     triton = reloads.status()["triton"]
     assert (triton["loaded_generation"], triton["pending"]) == (1, 2)
@@ -327,11 +312,7 @@ async def test_a_restarted_sidecar_takes_over_a_changed_catalog_with_a_plain_loa
     world.add_adapter("a1")
     reloads = await serving(world, triton_reload=TritonReload.UNLOAD_FIRST)
     await world.stage("a1")
-    world.control.gate = asyncio.Event()
-    world.control.entered.clear()
-    reloads.request_compaction()
-    reload = asyncio.create_task(reloads.sync())
-    await world.control.entered.wait()
+    reload = await hold_a_reload(world, reloads)
     reload.cancel()  # the sidecar dies with generation 2 rendered, not confirmed
     await asyncio.gather(reload, return_exceptions=True)
     world.control.gate = None

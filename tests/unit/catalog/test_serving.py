@@ -7,7 +7,12 @@ from __future__ import annotations
 from sidecar.catalog.engine_state import Probe
 from sidecar.config import TritonReload
 from sidecar.core.errors import CatalogPending
-from tests.support.catalog_world import World, raises, serving
+from tests.support.catalog_world import (
+    World,
+    compact,
+    raises,
+    serving,
+)
 
 
 async def test_before_triton_answers_no_generation_names_requests_and_the_answer_says_why(
@@ -47,8 +52,7 @@ async def test_an_adapter_in_a_generation_not_loaded_yet_is_told_the_reload_it_w
     reloads = await serving(world)
     await world.stage("a1")
     world.control.failures = 1
-    reloads.request_compaction()
-    await reloads.sync()  # generation 2 lists a1 by its own name; its load failed
+    await compact(reloads)  # generation 2 lists a1 by its own name; its load failed
     served = reloads.serving.naming_generation()
 
     pending = reloads.serving.no_name_left("a1", served, "no spare name is left")
