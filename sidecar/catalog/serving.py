@@ -19,7 +19,8 @@ from .status import waits_for
 
 
 class Serving:
-    """Asked by naming.py; told by reloads.py (`notify()`) when what serves may have changed."""
+    """Asked by naming.py; told (`notify()`) by reloads.py and loads.py when what serves may
+    have changed."""
 
     def __init__(self, settings: Settings, catalog: Catalog, tracker: EngineTracker,
                  planner: CompactionPlanner, *, reloads: bool,
