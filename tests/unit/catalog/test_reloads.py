@@ -1,6 +1,7 @@
-"""reloads.py: spares sized, compactions planned and carried out, and the reload decisions of
-the state machine in use, with Triton's model control replaced by a recorder; GET /catalog and
-POST /catalog/compact on the real sidecar. The plan alone, without I/O: test_compaction.py."""
+"""reloads.py: compactions planned and carried out when due, and the reload decisions of the
+state machine in use, with Triton's model control replaced by a recorder; GET /catalog and
+POST /catalog/compact on the real sidecar. The rules alone, without I/O: test_compaction.py and
+test_planner.py; spares sized and renders: test_loads.py."""
 
 from __future__ import annotations
 
