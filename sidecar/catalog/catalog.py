@@ -33,7 +33,6 @@ from .disk import NoopAdapter
 from .generation import CatalogJournal, Entry, Generation
 from .name_state import WATCHED, NameEvent, NameState, Version
 from .read_watch import ReadWatch
-from .status import state_counts
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +184,7 @@ class Catalog(StoreListener):
         carried = self.current()
         if carried is not None:
             log.info("catalog: carrying on with generation %d (%d names: %s)", carried.number,
-                     len(carried.names), state_counts(carried))
+                     len(carried.names), carried.state_counts())
         return changes
 
     def watch(self) -> None:

@@ -24,7 +24,6 @@ from .disk import NoopAdapter
 from .engine_state import EngineTracker, LoadKind, LoadOutcome
 from .name_state import Version
 from .planner import CompactionPlanner
-from .status import spare_count
 from .triton_control import ModelControl, ReloadFailed
 
 log = logging.getLogger(__name__)
@@ -144,7 +143,7 @@ class Loads:
         self._serving_changed()
         started = time.monotonic()
         log.info("catalog: %s of %s for generation %d (%d names, %d of them spares)",
-                 kind.value, model, number, len(generation.names), spare_count(generation))
+                 kind.value, model, number, len(generation.names), generation.spare_count())
         error = None
         outcome = LoadOutcome.OK
         try:
@@ -200,7 +199,7 @@ class Loads:
         if reason is not None:
             self._metrics.catalog_compactions.labels(reason=reason.value).inc()
         self._serving_changed()  # without reloads, the rendered generation names
-        spares = spare_count(generation)
+        spares = generation.spare_count()
         log.info("catalog: generation %d lists %d adapters and %d spare names (%s)",
                  generation.number, len(generation.names) - spares, spares,
                  f"compaction: {reason.value}" if reason else "first of this cache",

@@ -14,7 +14,7 @@ from . import compaction
 from .compaction import CompactionReason, Plan
 from .engine_state import EngineState, EngineTracker
 from .generation import Generation
-from .status import PlanFacts, spare_count
+from .status import PlanFacts
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class CompactionPlanner:
             self.check_spares(generation, spares_on)
 
     def compact_below(self, generation: Generation) -> int:
-        return compaction.compact_below(self._settings.compact_below, spare_count(generation))
+        return compaction.compact_below(self._settings.compact_below, generation.spare_count())
 
     def check_spares(self, generation: Generation, spares_on: bool) -> None:
         if not spares_on:

@@ -86,26 +86,14 @@ def plan_view(plan: PlanFacts | None, wall: float) -> dict[str, Any] | None:
     }
 
 
-def state_counts(generation: Generation) -> dict[str, int]:
-    counts = {state.value: 0 for state in NameState if state is not NameState.RETIRED}
-    for entry in generation.names.values():
-        if entry.state.value in counts:
-            counts[entry.state.value] += 1
-    return counts
-
-
-def spare_count(generation: Generation) -> int:
-    return sum(1 for e in generation.names.values() if e.spare)
-
-
 def generation_view(generation: Generation) -> dict[str, Any]:
     counts = generation.counts
     return {
         "generation": generation.number,
         "names": len(generation.names),
         "own": len(generation.own_ids()),
-        "spares": spare_count(generation),
-        "states": state_counts(generation),
+        "spares": generation.spare_count(),
+        "states": generation.state_counts(),
         "changes": {"bound": counts.bound, "parked": counts.parked,
                     "returned": counts.returned, "burnt": counts.burnt},
         "retire_at": generation.retire_at,
@@ -142,7 +130,7 @@ def status(facts: CatalogFacts) -> dict[str, Any]:
             "off_because": facts.spares_off,
             "noop_from": facts.noop_from or None,
             "generation": naming.number if naming else None,
-            "total": spare_count(naming) if naming else 0,
+            "total": naming.spare_count() if naming else 0,
             "left": len(naming.free_spares()) if naming else 0,
             "bound": dict(sorted(bound_spares.items())),
             "parked": naming.in_state(NameState.PARKED) if naming else [],

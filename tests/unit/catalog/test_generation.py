@@ -22,6 +22,8 @@ def test_a_rendered_generation_lists_own_names_first_then_its_spares() -> None:
     assert list(generation.names) == ["a1", "a2", "_spare-g3-0001", "_spare-g3-0002"]
     assert generation.own_ids() == {"a1", "a2"}
     assert generation.free_spares() == [spare_name(3, 1), spare_name(3, 2)]
+    assert generation.spare_count() == 2
+    assert generation.state_counts() == {"unbound": 2, "bound": 2, "parked": 0, "burnt": 0}
     assert generation.serving_name("a1", A1.digest) == "a1"
     assert generation.serving_name("a1", A2.digest) is None  # other bytes under the id
 
