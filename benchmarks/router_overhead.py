@@ -219,6 +219,12 @@ def measure_overhead(workdir: Path, calls: int) -> dict[str, float]:
     return result
 
 
+def threads_per_instance() -> int:
+    """The router's max_concurrent_requests as checked in: each instance's requests in progress."""
+    config = json.loads(router_config("http://127.0.0.1:1"))
+    return int(config["parameters"]["max_concurrent_requests"]["string_value"])
+
+
 def measure_instances(workdir: Path, counts: list[int], delay_s: float, clients: int,
                       requests_per_client: int) -> dict[int, float]:
     rates = {}
@@ -254,8 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'added by the router':26s} median {overhead['overhead_median_ms']:6.2f} ms   "
           f"p99 {overhead['overhead_p99_ms']:6.2f} ms")
     print(f"throughput, {args.clients} clients, vLLM stand-in {args.delay * 1000:.0f} ms/request:")
+    threads = threads_per_instance()
     for count, rate in rates.items():
-        ceiling = min(count, args.clients) / args.delay
+        # Each instance hands a request to one of its threads: the clients are the bound.
+        ceiling = min(count * threads, args.clients) / args.delay
         print(f"  {count:2d} router instances: {rate:6.1f} req/s (ceiling {ceiling:.0f})")
     return 0
 

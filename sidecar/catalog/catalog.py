@@ -3,7 +3,7 @@
 adapter each belongs to, the links on the volume that make each name read what it should, the
 journal that lets a restarted sidecar carry on, and the watch on every no-op the engine could
 read. What a name may become is decided by name_state.py; when a generation is rendered and
-loaded, by reloads.py; the request's use case is naming.py.
+loaded, by reloads.py (loads.py does it); the request's use case is naming.py.
 
 The rules it keeps (../shared/LORA-CACHES.md): a name leads to one version's bytes for the life
 of its generation, or to a no-op; never to a missing folder, never to other bytes. A version that
@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from ..cache.store import StoreListener
 from ..core.errors import CatalogPending
@@ -62,7 +61,7 @@ class Change:
 class Catalog(StoreListener):
     """`prepare()` and `recover()` (blocking, in a thread), then `watch()` on the loop. The
     store tells it `leaving()` / `vanished()`; naming.py asks `serving_name()` (the hit
-    path) and `name()`; reloads.py asks `render()`, `mark_loaded()`, `retire()`."""
+    path) and `name()`; loads.py asks `render()`, `mark_loaded()`; reloads.py `retire()`."""
 
     def __init__(self, root: Path, triton_root: Path, rules: Rules, metrics: Metrics, *,
                  lease_ttl_s: float, spares_wanted: bool = True,
@@ -185,7 +184,7 @@ class Catalog(StoreListener):
         carried = self.current()
         if carried is not None:
             log.info("catalog: carrying on with generation %d (%d names: %s)", carried.number,
-                     len(carried.names), _state_counts(carried))
+                     len(carried.names), carried.state_counts())
         return changes
 
     def watch(self) -> None:
@@ -535,26 +534,3 @@ class Catalog(StoreListener):
 
     async def measure(self) -> None:
         self.disk_bytes = await asyncio.to_thread(disk.disk_bytes, self.root)
-
-    # ---- status -----------------------------------------------------------------------------
-
-    def generation_view(self, generation: Generation) -> dict[str, Any]:
-        counts = generation.counts
-        return {
-            "generation": generation.number,
-            "names": len(generation.names),
-            "own": len(generation.own_ids()),
-            "spares": sum(1 for e in generation.names.values() if e.spare),
-            "states": _state_counts(generation),
-            "changes": {"bound": counts.bound, "parked": counts.parked,
-                        "returned": counts.returned, "burnt": counts.burnt},
-            "retire_at": generation.retire_at,
-        }
-
-
-def _state_counts(generation: Generation) -> dict[str, int]:
-    counts = {state.value: 0 for state in NameState if state is not NameState.RETIRED}
-    for entry in generation.names.values():
-        if entry.state.value in counts:
-            counts[entry.state.value] += 1
-    return counts

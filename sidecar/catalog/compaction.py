@@ -1,6 +1,7 @@
 """When a new catalog generation is worth a reload (compaction), as a pure plan: its reasons,
 the quiet window, the spares threshold, how many spares a generation gets, and the rate limit
-between reloads. No I/O and no clock of its own: reloads.py feeds it the time and runs it.
+between reloads. No I/O and no clock of its own: planner.py feeds it the time and the engine's
+state; reloads.py carries out what is due.
 """
 
 from __future__ import annotations

@@ -117,6 +117,17 @@ class Generation:
         """Adapter ids listed by their own names."""
         return {name for name, entry in self.names.items() if not entry.spare}
 
+    def spare_count(self) -> int:
+        return sum(1 for entry in self.names.values() if entry.spare)
+
+    def state_counts(self) -> dict[str, int]:
+        """Names by state (retired ones left out)."""
+        counts = {state.value: 0 for state in NameState if state is not NameState.RETIRED}
+        for entry in self.names.values():
+            if entry.state.value in counts:
+                counts[entry.state.value] += 1
+        return counts
+
     # ---- changes ------------------------------------------------------------------------
 
     def apply(self, name: str, event: NameEvent, why: str,

@@ -1,5 +1,5 @@
 """POST /stage's use case, for the HTTP API and the tests alike: stage an adapter, then the name
-a request must send vLLM for it, which joins what the engine serves (reloads.py) and the names
+a request must send vLLM for it, which joins what the engine serves (serving.py) and the names
 kept for it (catalog.py). Also the cache as the catalog sees it (`StoreView`: versions on disk).
 """
 
@@ -33,6 +33,7 @@ from .disk import WEIGHTS_FILE, NoopAdapter
 from .engine_refusal import EngineRefusal, judge
 from .name_state import NameEvent, Version
 from .reloads import Reloads
+from .serving import Serving
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +90,12 @@ class Named:
 class Naming:
     """`stage()` for POST /stage; `status()` for GET /catalog."""
 
-    def __init__(self, catalog: Catalog, reloads: Reloads, stager: Stager, store: AdapterStore,
-                 metrics: Metrics, wall: Callable[[], float] = time.time) -> None:
-        self.catalog = catalog
-        self.reloads = reloads
+    def __init__(self, catalog: Catalog, serving: Serving, reloads: Reloads, stager: Stager,
+                 store: AdapterStore, metrics: Metrics, wall: Callable[[], float] = time.time
+                 ) -> None:
+        self._catalog = catalog
+        self._serving = serving
+        self._reloads = reloads  # GET /catalog and POST /catalog/compact
         self._stager = stager
         self._store = store
         self._metrics = metrics
@@ -114,7 +117,7 @@ class Naming:
         raised."""
         now = asyncio.get_running_loop().time()
         hold_until = now + min(hold_s, timeout_s)
-        failure = None if refused is None else judge(refused, adapter_id, self.reloads.model)
+        failure = None if refused is None else judge(refused, adapter_id, self._serving.model)
         if isinstance(failure, EngineFailed):
             raise failure  # asking the engine again would be answered the same
         # Kept from eviction until it has its name: by its lease, or (a warm-up, unleased) by
@@ -140,7 +143,7 @@ class Naming:
         started = loop.time()
         held = hold_until > started  # else the stage itself took the hold asked for
         while True:
-            changed = self.reloads.serving_changed  # taken first: a change after it wakes us
+            changed = self._serving.changed  # taken first: a change after it wakes us
             error: SidecarError
             try:
                 name = await self.lora_name(adapter)
@@ -148,9 +151,9 @@ class Naming:
                     return name
                 assert failure is not None
                 error = failure
-                if not self.reloads.reloads:
+                if not self._serving.reloads:
                     raise error  # the operator reloads Triton: nothing here to wait for
-                self.reloads.engine_refused()
+                self._serving.engine_refused()
             except (CatalogPending, CatalogReloading) as exc:
                 error = exc
             remaining_s = hold_until - loop.time()
@@ -170,7 +173,7 @@ class Naming:
     async def lora_name(self, adapter: CachedAdapter) -> str:
         """The name to send vLLM for a staged adapter. CatalogPending or CatalogReloading
         when no engine serves a catalog that can name it (yet)."""
-        generation = self.reloads.naming_generation()
+        generation = self._serving.naming_generation()
         digest = adapter.record.content_digest
         name = generation.serving_name(adapter.adapter_id, digest)
         if name is not None:
@@ -178,11 +181,11 @@ class Naming:
         version = version_of(adapter)
         self._note_replaced(generation.held_names_of(adapter.adapter_id), version)
         try:
-            name, event = await self.catalog.name(
+            name, event = await self._catalog.name(
                 generation.number, version, lambda: self._store_holds(version))
         except NoNameLeft as exc:
-            pending = self.reloads.no_name_left(adapter.adapter_id, generation, exc.why)
-            if not self.reloads.reloads:
+            pending = self._serving.no_name_left(adapter.adapter_id, generation, exc.why)
+            if not self._serving.reloads:
                 # No Triton to reload: the next generation (rendered at once) lists it by its
                 # own name, and the operator's reload of Triton makes it servable.
                 return adapter.adapter_id
@@ -195,7 +198,7 @@ class Naming:
                      extra=fields(event="bound", adapter_id=adapter.adapter_id, lora_name=name,
                                   generation=generation.number, spares_left=left,
                                   digest=digest))
-        self.reloads.named(generation)
+        self._serving.named(generation)
         return name
 
     def _store_holds(self, version: Version) -> bool:
@@ -229,12 +232,13 @@ class Naming:
 
     # ---- GET /catalog and POST /catalog/compact ----------------------------------------
 
+    @property
+    def reloads(self) -> Reloads:
+        return self._reloads
+
     def status(self) -> dict[str, Any]:
-        return self.reloads.status()
+        return self._reloads.status()
 
     def request_compaction(self) -> dict[str, Any]:
-        return self.reloads.request_compaction()
-
-    def problem(self) -> str | None:
-        return self.reloads.problem()
+        return self._reloads.request_compaction()
 

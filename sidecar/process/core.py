@@ -80,5 +80,5 @@ def build_core(
     reloads = Reloads(settings, catalog, metrics,
                       StoreView(store, settings.allowed_target_modules),
                       registry_ids=registry_ids, control=control, clock=clock, wall=wall)
-    naming = Naming(catalog, reloads, stager, store, metrics, wall=wall)
+    naming = Naming(catalog, reloads.serving, reloads, stager, store, metrics, wall=wall)
     return Core(catalog, store, stager, reloads, naming)

@@ -20,10 +20,9 @@ COMMENT_REACH = 4  # a sleep's comment is on its line or on one of the lines jus
 # tested through the running sidecar in tests/behaviour/).
 UNMIRRORED = frozenset({  # may only shrink: a module added comes with its test
     "__main__.py", "cache/admission.py", "cache/lease_sweep.py", "cache/leases.py", "cache/lru.py",
-    "cache/records.py", "cache/stager.py", "catalog/disk.py", "catalog/generation.py",
-    "catalog/triton_control.py", "config.py", "core/exits.py", "core/filehash.py",
-    "core/fsutil.py", "core/ids.py", "core/net.py", "core/options.py", "core/units.py",
-    "core/version.py", "process/app.py", "process/examples.py", "process/preflight.py",
+    "cache/records.py", "cache/stager.py", "config.py", "core/exits.py", "core/filehash.py",
+    "core/fsutil.py", "core/net.py", "core/options.py", "core/version.py", "process/app.py",
+    "process/examples.py", "process/preflight.py",
     "registry/base.py", "registry/httpranges.py", "registry/kinds.py", "registry/listing.py",
     "registry/local.py", "registry/proxies.py", "registry/s3.py", "registry/s3_client.py",
     "registry/s3errors.py", "validation/adapter_config.py", "validation/oms.py",

@@ -109,6 +109,11 @@ class World:
     def cache(self) -> Path:
         return self.tmp_path / "cache"
 
+    def add_adapters(self, *adapter_ids: str) -> None:
+        """Upload several adapters, each with its own bytes."""
+        for adapter_id in adapter_ids:
+            self.add_adapter(adapter_id)
+
     def add_adapter(self, adapter_id: str, **kwargs: Any) -> bytes:
         """Upload (or upload again: other bytes under the same id) an adapter."""
         shutil.rmtree(self.tmp_path / "registry" / adapter_id, ignore_errors=True)
@@ -155,7 +160,7 @@ class World:
         assert self.store is not None and self.reloads is not None
         adapter = self.store.get(adapter_id)
         assert adapter is not None, f"{adapter_id} is not on disk"
-        name = self.reloads.naming_generation().serving_name(
+        name = self.reloads.serving.naming_generation().serving_name(
             adapter_id, adapter.record.content_digest)
         assert name is not None, f"{adapter_id} has no bound name"
         return name
@@ -211,6 +216,23 @@ async def serving(world: World, **overrides: Any) -> Reloads:
     await reloads.sync()
     assert reloads.status()["triton"]["state"] == "serving", reloads.status()
     return reloads
+
+
+async def compact(reloads: Reloads) -> None:
+    """A compaction asked for (POST /catalog/compact) and carried out by the next step."""
+    reloads.request_compaction()
+    await reloads.sync()
+
+
+async def hold_a_reload(world: World, reloads: Reloads) -> asyncio.Task[None]:
+    """A compaction asked for, its load held open at Triton until `world.control.gate` is set:
+    the step's task, once Triton has been asked."""
+    world.control.gate = asyncio.Event()
+    world.control.entered.clear()
+    reloads.request_compaction()
+    reload = asyncio.create_task(reloads.sync())
+    await world.control.entered.wait()
+    return reload
 
 
 def valid_copy(folder: Path, tmp_path: Path) -> list[Any]:

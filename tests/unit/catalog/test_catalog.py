@@ -27,6 +27,7 @@ from tests.support.catalog_world import (
     WEIGHTS,
     World,
     api_sidecar,
+    compact,
     serving,
     spares_of,
     valid_copy,
@@ -36,15 +37,11 @@ from tests.support.catalog_world import (
 async def test_a_generation_lists_the_adapters_on_disk_and_spare_names_at_no_op_adapters(
     world: World,
 ) -> None:
-    world.add_adapter("sql-v1")
-    world.add_adapter("support-v2")
-    world.add_adapter("never-staged-v1")
+    world.add_adapters("sql-v1", "support-v2", "never-staged-v1")
     reloads = await serving(world)
     await world.stage("sql-v1")
     await world.stage("support-v2")
-    reloads.request_compaction()
-
-    await reloads.sync()
+    await compact(reloads)
 
     rendered = world.rendered()
     spares = spares_of(world)
@@ -70,8 +67,7 @@ async def test_a_refused_adapter_is_never_listed_nor_named(world: World) -> None
 
     with pytest.raises(Exception, match="refused by validation"):
         await world.stage("too-wide-v1")
-    reloads.request_compaction()
-    await reloads.sync()
+    await compact(reloads)
 
     assert spares_of(world) == sorted(world.rendered())
     assert reloads.status()["spares"]["bound"] == {}
@@ -80,8 +76,7 @@ async def test_a_refused_adapter_is_never_listed_nor_named(world: World) -> None
 async def test_without_a_base_model_config_the_first_adapters_shapes_make_the_no_op(
     world: World, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    world.add_adapter("a1")
-    world.add_adapter("a2")
+    world.add_adapters("a1", "a2")
     with caplog.at_level("INFO", logger="sidecar.catalog"):
         reloads = await serving(world, base_model_config=None)
 
@@ -155,8 +150,7 @@ async def test_an_evicted_adapter_s_name_is_parked_at_a_no_op_and_returns_with_i
     world: World,
 ) -> None:
     weights = world.add_adapter("a1")
-    world.add_adapter("a2")
-    world.add_adapter("a3")
+    world.add_adapters("a2", "a3")
     reloads = await serving(world, max_adapters=1)
     name = await world.stage("a1")
 
@@ -173,8 +167,7 @@ async def test_an_evicted_adapter_s_name_is_parked_at_a_no_op_and_returns_with_i
     assert (world.local(world.rendered()[name]) / WEIGHTS).read_bytes() == weights
     assert reloads.status()["spares"]["left"] == left
     # Own names are parked and returned alike.
-    reloads.request_compaction()
-    await reloads.sync()
+    await compact(reloads)
     assert await world.stage("a1") == "a1"
     await world.stage("a3")
     assert world.state("a1") is NameState.PARKED and world.link("a1") == "../noop/a1"
@@ -233,9 +226,7 @@ async def test_names_given_equal_the_distinct_versions_staged_under_churn(world:
 
 
 async def test_bindings_survive_a_sidecar_restart_without_a_load(world: World) -> None:
-    world.add_adapter("a1")
-    world.add_adapter("a2")
-    world.add_adapter("a3")
+    world.add_adapters("a1", "a2", "a3")
     await serving(world, max_adapters=2)
     name = await world.stage("a1")
     parked = await world.stage("a2")
@@ -260,8 +251,7 @@ async def test_bindings_survive_a_sidecar_restart_without_a_load(world: World) -
 async def test_a_spare_the_engine_read_before_it_was_given_is_never_given(
     world: World,
 ) -> None:
-    world.add_adapter("a1")
-    world.add_adapter("a2")
+    world.add_adapters("a1", "a2")
     reloads = await serving(world)
     spares = spares_of(world)
     # What a direct call to vllm_model with these names makes the engine do.
@@ -322,8 +312,7 @@ async def test_a_spare_whose_no_op_inotify_cannot_watch_is_never_given(
 async def test_a_parked_name_the_engine_read_is_burnt_and_its_adapter_takes_a_fresh_spare(
     world: World,
 ) -> None:
-    world.add_adapter("a1")
-    world.add_adapter("a2")
+    world.add_adapters("a1", "a2")
     await serving(world, max_adapters=1)
     name = await world.stage("a1")
     await world.stage("a2")  # a1 parked
@@ -346,8 +335,7 @@ async def test_a_parked_name_the_engine_read_is_burnt_and_its_adapter_takes_a_fr
 
 
 async def test_operators_looking_at_the_volume_burn_no_name(world: World, command: str) -> None:
-    world.add_adapter("a1")
-    world.add_adapter("a2")
+    world.add_adapters("a1", "a2")
     reloads = await serving(world, max_adapters=1)
     await world.stage("a1")
     await world.stage("a2")  # a1 parked: its no-op is watched too
@@ -367,8 +355,7 @@ async def test_operators_looking_at_the_volume_burn_no_name(world: World, comman
 async def test_a_bound_adapter_removed_by_hand_parks_its_name_and_one_changed_in_place_burns_it(
     world: World,
 ) -> None:
-    world.add_adapter("a1")
-    world.add_adapter("a2")
+    world.add_adapters("a1", "a2")
     reloads = await serving(world)
     removed = await world.stage("a1")
     changed = await world.stage("a2")

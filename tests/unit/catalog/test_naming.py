@@ -23,6 +23,7 @@ from sidecar.process.examples import write_adapter
 from tests.support.catalog_world import (
     World,
     api_sidecar,
+    hold_a_reload,
     serving,
 )
 from tests.support.settings import local_registry_adapter
@@ -100,11 +101,7 @@ async def test_a_stage_arriving_during_an_unload_first_reload_is_held_and_answer
     world.add_adapter("a1")
     reloads = await serving(world, triton_reload=TritonReload.UNLOAD_FIRST)
     await world.stage("a1")
-    world.control.gate = asyncio.Event()
-    world.control.entered.clear()
-    reloads.request_compaction()
-    reload = asyncio.create_task(reloads.sync())
-    await world.control.entered.wait()
+    reload = await hold_a_reload(world, reloads)
     assert world.naming is not None
 
     held = asyncio.create_task(world.naming.stage("a1", timeout_s=30, lease=True, hold_s=30))

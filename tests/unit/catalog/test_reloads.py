@@ -1,6 +1,7 @@
-"""reloads.py: spares sized, compactions planned and carried out, and the reload decisions of
-the state machine in use, with Triton's model control replaced by a recorder; GET /catalog and
-POST /catalog/compact on the real sidecar. The plan alone, without I/O: test_compaction.py."""
+"""reloads.py: compactions planned and carried out when due, and the reload decisions of the
+state machine in use, with Triton's model control replaced by a recorder; GET /catalog and
+POST /catalog/compact on the real sidecar. The rules alone, without I/O: test_compaction.py and
+test_planner.py; spares sized and renders: test_loads.py."""
 
 from __future__ import annotations
 
@@ -23,44 +24,13 @@ from sidecar.core.errors import (
 from tests.support.catalog_world import (
     World,
     api_sidecar,
+    compact,
+    hold_a_reload,
     raises,
     serving,
     spares_of,
 )
 from tests.support.settings import local_registry_adapter
-
-
-async def test_spares_are_sized_from_the_registry_with_room_for_uploads(world: World) -> None:
-    world.registry = frozenset(f"tenant-{n:04d}" for n in range(1000))
-    reloads = await world.start(spare_names=None)
-    assert len(spares_of(world)) == 1000 + 250  # an empty volume: the whole registry, + 1/4
-
-    assert reloads.spares_wanted({"tenant-0001", "other"}) == 999 + 250
-    world.registry = frozenset(f"t{n}" for n in range(40))
-    assert reloads.spares_wanted(set()) == 50
-    world.registry = frozenset({"t1"})
-    assert reloads.spares_wanted(set()) == 32  # never fewer
-    world.registry = frozenset(f"t{n}" for n in range(100_000))
-    assert reloads.spares_wanted(set()) == 4096  # --spare-names-max
-    world.registry = None
-    assert reloads.spares_wanted(set()) == 256  # the registry could not be listed yet
-
-
-@pytest.mark.parametrize("triton_url", ["http://127.0.0.1:1", None], ids=["triton", "no triton"])
-async def test_spares_off_is_a_warning_only_where_it_costs_reloads(
-    world: World, caplog: pytest.LogCaptureFixture, triton_url: str | None
-) -> None:
-    with caplog.at_level("INFO", logger="sidecar.catalog"):
-        await world.start(base_model_config=None, triton_url=triton_url)
-
-    said = [r for r in caplog.records if "spare names are off" in r.getMessage()]
-    assert len(said) == 1
-    if triton_url is None:  # `make run`: nothing is reloaded, so nothing to warn a newcomer of
-        assert said[0].levelname == "INFO" and "no reload" in said[0].getMessage()
-    else:
-        assert said[0].levelname == "WARNING" and "costs a reload" in said[0].getMessage()
-    assert not [r for r in caplog.records if "compaction planned" in r.getMessage()
-                and r.levelname != "DEBUG" and triton_url is None]
 
 
 async def test_running_low_on_spares_compacts_once_listing_every_adapter_by_its_own_name(
@@ -95,8 +65,7 @@ async def test_compactions_wait_for_the_minimum_interval_between_reloads(world: 
     await world.stage("a1")
     world.clock.now_s += 10
 
-    reloads.request_compaction()
-    await reloads.sync()
+    await compact(reloads)
 
     assert world.control.loads() == 1
     plan = reloads.status()["next_compaction"]
@@ -144,8 +113,7 @@ async def test_with_spare_names_zero_each_new_adapter_costs_a_reload(world: Worl
 async def test_a_restart_with_spare_names_zero_gives_no_spare_left_from_before(
     world: World,
 ) -> None:
-    world.add_adapter("a1")
-    world.add_adapter("a2")
+    world.add_adapters("a1", "a2")
     await serving(world)
     name = await world.stage("a1")
 
@@ -210,7 +178,7 @@ async def test_triton_unreachable_at_start_is_loaded_at_once_when_it_answers(
     reloads = await world.start(triton_reload_min_interval_s=3600.0)
     await reloads.sync()
     assert reloads.status()["triton"]["state"] == "unreachable"
-    assert "does not answer" in raises(CatalogPending, reloads.naming_generation)
+    assert "does not answer" in raises(CatalogPending, reloads.serving.naming_generation)
 
     world.control.reachable = True
     await reloads.sync()
@@ -287,20 +255,12 @@ async def test_a_lost_engine_whose_catalog_has_a_name_with_nothing_to_lead_to_co
 async def test_during_an_on_change_reload_the_serving_engines_names_stay_servable(
     world: World,
 ) -> None:
-    world.add_adapter("a1")
-    world.add_adapter("a2")
-    world.add_adapter("a3")
+    world.add_adapters("a1", "a2", "a3")
     reloads = await serving(world)
     await world.stage("a1")
-    reloads.request_compaction()
-    await reloads.sync()
+    await compact(reloads)
     given = await world.stage("a2")
-    world.control.gate = asyncio.Event()
-    world.control.entered.clear()
-    reloads.request_compaction()
-
-    reload = asyncio.create_task(reloads.sync())
-    await world.control.entered.wait()
+    reload = await hold_a_reload(world, reloads)
 
     assert reloads.status()["triton"]["reloading"] is True
     assert world.lora_name("a1") == "a1"
@@ -316,14 +276,9 @@ async def test_an_unload_first_reload_makes_every_adapter_wait(world: World) -> 
     world.add_adapter("a1")
     reloads = await serving(world, triton_reload=TritonReload.UNLOAD_FIRST)
     await world.stage("a1")
-    world.control.gate = asyncio.Event()
-    world.control.entered.clear()
-    reloads.request_compaction()
+    reload = await hold_a_reload(world, reloads)
 
-    reload = asyncio.create_task(reloads.sync())
-    await world.control.entered.wait()
-
-    message = raises(CatalogReloading, reloads.naming_generation)
+    message = raises(CatalogReloading, reloads.serving.naming_generation)
     assert "no engine serves until it is up" in message
     world.control.gate.set()
     await reload
@@ -336,9 +291,7 @@ async def test_a_failed_reload_keeps_the_old_generation_and_is_retried(world: Wo
     reloads = await serving(world)
     name = await world.stage("a1")
     world.control.failures = 1
-    reloads.request_compaction()
-
-    await reloads.sync()
+    await compact(reloads)
 
     triton = reloads.status()["triton"]
     assert (triton["loaded_generation"], triton["pending"]) == (1, 2)
@@ -360,11 +313,7 @@ async def test_a_restarted_sidecar_takes_over_a_changed_catalog_with_a_plain_loa
     world.add_adapter("a1")
     reloads = await serving(world, triton_reload=TritonReload.UNLOAD_FIRST)
     await world.stage("a1")
-    world.control.gate = asyncio.Event()
-    world.control.entered.clear()
-    reloads.request_compaction()
-    reload = asyncio.create_task(reloads.sync())
-    await world.control.entered.wait()
+    reload = await hold_a_reload(world, reloads)
     reload.cancel()  # the sidecar dies with generation 2 rendered, not confirmed
     await asyncio.gather(reload, return_exceptions=True)
     world.control.gate = None
