@@ -41,9 +41,10 @@ from .servers import (
     S3Server,
     Supervisor,
     free_port,
+    launch_moto,
     s3_env,
-    start_moto,
     start_s3rver,
+    wait_for_moto,
     wait_for_port,
 )
 from .tools import Tools, ensure_tools
@@ -99,6 +100,7 @@ class Context:
     # and connections warmed without the seconds of a large fetch on a slow server)
     warm_up: Adapter | None = None
     skip_clients: frozenset[str] = frozenset()  # --quick on the slow servers
+    moto: S3Server | None = None  # started beside the set-up, when a phase needs it
 
 
 def log(message: str) -> None:
@@ -230,25 +232,30 @@ def read_kib(path: Path, field_name: str) -> int:
     raise KeyError(field_name)
 
 
-def memory_phase(ctx: Context, sidecar: SidecarStager, results: Results) -> None:
-    """The sidecar, fresh (nothing staged yet), stages the largest adapter: its peak RSS."""
+def memory_and_hit_phase(ctx: Context, server: S3Server, results: Results) -> None:
+    """A fresh sidecar stages the largest adapter (peak RSS), then serves the hit path. A
+    sidecar of its own: one that evicted and staged the same adapter again under load saw
+    its watcher take the new folder for one removed behind its back (the hit then answered
+    503)."""
     biggest = ctx.adapters[-1]
-    status = Path(f"/proc/{sidecar.pid}/status")
-    idle_kib = read_kib(status, "VmRSS")
-    sidecar.fetch(biggest.adapter_id)
-    results.memory = {
-        "adapter_mb": biggest.size_bytes / 1e6,
-        "idle_rss_mb": idle_kib * 1024 / 1e6,
-        "peak_rss_mb": read_kib(status, "VmHWM") * 1024 / 1e6,
-    }
-    log(f"memory: {results.memory}")
-    sidecar.reset(biggest.adapter_id)
+    sidecar = start_sidecar(ctx, server)
+    try:
+        status = Path(f"/proc/{sidecar.pid}/status")
+        idle_kib = read_kib(status, "VmRSS")
+        sidecar.fetch(biggest.adapter_id)
+        results.memory = {
+            "adapter_mb": biggest.size_bytes / 1e6,
+            "idle_rss_mb": idle_kib * 1024 / 1e6,
+            "peak_rss_mb": read_kib(status, "VmHWM") * 1024 / 1e6,
+        }
+        log(f"memory: {results.memory}")
+        if "hit" in ctx.args.phases:
+            hit_phase(ctx, sidecar, biggest, results)
+    finally:
+        sidecar.close()
 
 
-def hit_phase(ctx: Context, sidecar: SidecarStager, results: Results) -> None:
-    """The largest adapter, staged, then asked for again and again under `wrk`."""
-    adapter = ctx.adapters[-1]
-    sidecar.fetch(adapter.adapter_id)
+def hit_phase(ctx: Context, sidecar: SidecarStager, adapter: Adapter, results: Results) -> None:
     response = sidecar.stage(adapter.adapter_id)
     if not response["cached"]:
         raise RuntimeError("the hit-path adapter is not cached")
@@ -400,9 +407,34 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = REPO / "benchmarks" / ".work"
     work.mkdir(parents=True, exist_ok=True)
-    # --quick: what measures no time runs beside the set-up, and is waited for before the
-    # first timed phase
-    untimed = start_untimed_others() if args.quick else []
+    sup = Supervisor(work / "logs")
+    untimed: list[tuple[str, subprocess.Popen[str]]] = []
+    try:
+        with terminated_as_exit():
+            # --quick: what measures no time runs beside the set-up, and is waited for before
+            # the first timed phase
+            if args.quick:
+                untimed = start_untimed_others()
+            # moto imports for seconds: it starts beside the set-up (--quick: the warm
+            # restart uses it too)
+            moto = launch_moto(sup) if args.quick or args.phases & {"moto", "miss"} else None
+            report = set_up_and_run(args, work, sup, untimed, moto)
+    finally:
+        for _, proc in untimed:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        sup.stop_all()
+        link.tear_down()
+        shutil.rmtree(args.dest, ignore_errors=True)
+    print(report)
+    return 0
+
+
+def set_up_and_run(args: argparse.Namespace, work: Path, sup: Supervisor,
+                   untimed: list[tuple[str, subprocess.Popen[str]]],
+                   moto: S3Server | None) -> str:
+    """Tools, adapters, every phase; the report, also kept under work/results."""
     log("installing tools (first run only)")
     tools = ensure_tools(work)
     log("generating adapters (first run only)")
@@ -412,37 +444,28 @@ def main(argv: list[str] | None = None) -> int:
     adapters = adapters_mod.generate(specs, work / "adapters")
     policy = adapters_mod.sign(adapters, work / "signing", signing=args.signing)
     adapters = adapters_mod.generate(specs, work / "adapters")  # sizes with model.sig
-    sup = Supervisor(work / "logs")
     shutil.rmtree(args.dest, ignore_errors=True)
     ctx = Context(args, tools, sup, work, args.dest, s3_env(os.environ, work), adapters,
-                  policy, miss.small_adapter(work / "adapters") if args.quick else None)
+                  policy, miss.small_adapter(work / "adapters") if args.quick else None,
+                  moto=moto)
     os.environ.update(ctx.env)  # boto3 in this process reads the same credentials
     results = Results(machine=machine_facts())
     others = ""
-    try:
-        with terminated_as_exit():
-            def before_timed() -> None:
-                nonlocal others
-                others = finish_untimed_others(untimed)
 
-            run_phases(ctx, results, before_timed)
-    finally:
-        for _, proc in untimed:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-        sup.stop_all()
-        link.tear_down()
-        shutil.rmtree(args.dest, ignore_errors=True)
-    report = render(results, adapters) + others
+    def before_timed() -> None:
+        nonlocal others
+        others = finish_untimed_others(untimed)
+
+    run_phases(ctx, results, before_timed)
     if args.quick:
-        report += quick_timed_others()
+        assert moto is not None
+        others += quick_timed_others(wait_for_moto(moto), sup.log_dir / "moto.log")
+    report = render(results, adapters) + others
     stamp = time.strftime("%Y%m%d-%H%M%S")
     (work / "results").mkdir(exist_ok=True)
     (work / "results" / f"{stamp}.json").write_text(json.dumps(asdict(results), indent=1))
     (work / "results" / f"{stamp}.md").write_text(report)
-    print(report)
-    return 0
+    return report
 
 
 def on_slow_server(ctx: Context) -> Context:
@@ -498,13 +521,16 @@ def finish_untimed_others(started: list[tuple[str, subprocess.Popen[str]]]) -> s
     return "\n".join(out) + "\n" if out else ""
 
 
-def quick_timed_others() -> str:
+def quick_timed_others(moto: S3Server, moto_log: Path) -> str:
     """The restart benchmarks in their small modes, one after the other once the table's
-    servers are gone (a failure stops the run); their tables, for the report."""
+    phases are done (a failure stops the run), the warm restart on the run's moto (idle by
+    then); their tables, for the report."""
     out = []
     for title, arguments in QUICK_TIMED:
         log(f"quick: {title}")
-        done = subprocess.run([sys.executable, "-m", *arguments], cwd=REPO,
+        shared = (("--moto-url", moto.endpoint_url, "--moto-log", str(moto_log))
+                  if arguments[0] == "benchmarks.warm_restart" else ())
+        done = subprocess.run([sys.executable, "-m", *arguments, *shared], cwd=REPO,
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise SystemExit(f"benchmark {title} (python -m {' '.join(arguments)}) failed "
@@ -524,23 +550,20 @@ def run_phases(ctx: Context, results: Results,
     warm_up = [] if ctx.warm_up is None else [ctx.warm_up]
     adapters_mod.upload(s3_client(s3rver.endpoint_url), [*warm_up, *ctx.adapters])
     before_timed()
-    # One sidecar for the loopback phases: fresh for the memory phase, so that goes first.
-    sidecar = (None if ctx.args.no_sidecar or not phases & {"loopback", "memory", "hit"}
-               else start_sidecar(ctx, s3rver))
-    try:
-        if sidecar is not None and "memory" in phases:
-            memory_phase(ctx, sidecar, results)
-        if "loopback" in phases:
+    if "loopback" in phases:
+        sidecar = None if ctx.args.no_sidecar else start_sidecar(ctx, s3rver)
+        try:
             cold_phase(ctx, "loopback, s3rver", s3rver, results, runs=ctx.args.runs,
                        sidecar=sidecar)
-        if sidecar is not None and "hit" in phases:
-            hit_phase(ctx, sidecar, results)
-    finally:
-        if sidecar is not None:
-            sidecar.close()
+        finally:
+            if sidecar is not None:
+                sidecar.close()
+    if phases & {"memory", "hit"}:
+        memory_and_hit_phase(ctx, s3rver, results)
     ctx.sup.stop(s3rver.proc)
     if phases & {"moto", "miss"}:
-        moto = start_moto(ctx.sup)  # one moto, and one sidecar on it, for both phases
+        assert ctx.moto is not None
+        moto = wait_for_moto(ctx.moto)  # one moto, and one sidecar on it, for both phases
         sidecar = None
         try:
             uploaded: set[str] = set()
@@ -558,7 +581,6 @@ def run_phases(ctx: Context, results: Results,
         finally:
             if sidecar is not None:
                 sidecar.close()
-            ctx.sup.stop(moto.proc)
     if "shaped" in phases:
         shaped = link.set_up(SHAPED_MBIT)
         try:
