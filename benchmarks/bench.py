@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -546,9 +547,20 @@ def run_phases(ctx: Context, results: Results,
     phases = ctx.args.phases
     data_dir = ctx.work / "s3rver-data"
     s3rver = start_s3rver(ctx.sup, ctx.tools, data_dir, label="s3rver")
-    log("uploading to s3rver")
     warm_up = [] if ctx.warm_up is None else [ctx.warm_up]
-    adapters_mod.upload(s3_client(s3rver.endpoint_url), [*warm_up, *ctx.adapters])
+    moto_ctx = on_slow_server(ctx)
+    moto_adapters = [*warm_up, *moto_ctx.adapters]
+    with ThreadPoolExecutor(2) as pool:  # both uploads before anything is timed
+        if phases & {"moto", "miss"}:
+            assert ctx.moto is not None
+            moto = wait_for_moto(ctx.moto)  # one moto, and one sidecar on it, for both phases
+            log("uploading to moto")
+            to_moto = pool.submit(adapters_mod.upload, s3_client(moto.endpoint_url),
+                                  moto_adapters)
+        log("uploading to s3rver")
+        adapters_mod.upload(s3_client(s3rver.endpoint_url), [*warm_up, *ctx.adapters])
+        if phases & {"moto", "miss"}:
+            to_moto.result()
     before_timed()
     if "loopback" in phases:
         sidecar = None if ctx.args.no_sidecar else start_sidecar(ctx, s3rver)
@@ -562,15 +574,9 @@ def run_phases(ctx: Context, results: Results,
         memory_and_hit_phase(ctx, s3rver, results)
     ctx.sup.stop(s3rver.proc)
     if phases & {"moto", "miss"}:
-        assert ctx.moto is not None
-        moto = wait_for_moto(ctx.moto)  # one moto, and one sidecar on it, for both phases
         sidecar = None
         try:
-            uploaded: set[str] = set()
-            moto_ctx = on_slow_server(ctx)
-            log("uploading to moto")
-            adapters_mod.upload(s3_client(moto.endpoint_url), [*warm_up, *moto_ctx.adapters])
-            uploaded.update(a.adapter_id for a in [*warm_up, *moto_ctx.adapters])
+            uploaded = {a.adapter_id for a in moto_adapters}
             sidecar = None if ctx.args.no_sidecar else start_sidecar(ctx, moto)
             if "moto" in phases:
                 # moto copies the whole object for every ranged GET
