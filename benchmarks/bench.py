@@ -549,7 +549,7 @@ def run_phases(ctx: Context, results: Results,
     s3rver = start_s3rver(ctx.sup, ctx.tools, data_dir, label="s3rver")
     warm_up = [] if ctx.warm_up is None else [ctx.warm_up]
     moto_ctx = on_slow_server(ctx)
-    moto_adapters = [*warm_up, *moto_ctx.adapters]
+    moto_adapters = [*warm_up, *(moto_ctx.adapters if "moto" in phases else [])]
     with ThreadPoolExecutor(2) as pool:  # both uploads before anything is timed
         if phases & {"moto", "miss"}:
             assert ctx.moto is not None
