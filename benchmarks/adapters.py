@@ -14,7 +14,6 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from sidecar.process.examples import write_adapter
 from sidecar.validation.files import SIGNATURE_FILE
-from sidecar.validation.oms import sign_folder
 from sidecar.validation.shapes import ATTENTION_MODULES, LLAMA_3_8B, MLP_MODULES
 
 BUCKET = "lsbench"
@@ -87,6 +86,9 @@ def sign(adapters: list[Adapter], work: Path, *, signing: bool) -> Path | None:
         for adapter in adapters:
             (adapter.folder / SIGNATURE_FILE).unlink(missing_ok=True)
         return None
+    # model_signing takes seconds to import: only a signed run pays for it.
+    from sidecar.validation.oms import sign_folder
+
     key, public = work / "bench-key.pem", work / "bench-key.pub"
     if not key.exists():
         work.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -41,9 +42,10 @@ from .servers import (
     S3Server,
     Supervisor,
     free_port,
+    launch_moto,
     s3_env,
-    start_moto,
     start_s3rver,
+    wait_for_moto,
     wait_for_port,
 )
 from .tools import Tools, ensure_tools
@@ -54,12 +56,18 @@ SHAPED_DELAY_MS = 20
 HIT_CLIENTS = (1, 8, 64)
 # --quick: the other benchmarks that need no engine, each in a small mode, after the table;
 # (title, arguments of `python -m`). A benchmark's breakage fails the quick run.
-QUICK_OTHERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+# The routing simulator counts simulated hits (no clock): it runs beside the set-up.
+QUICK_SIMULATED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("routing simulator", ("benchmarks.routing_sim", "--nodes", "4", "--cache", "10",
                            "--requests", "2000")),
+)
+QUICK_TIMED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("restart cost", ("benchmarks.restart", "--adapters", "2", "--size-mb", "2", "--runs", "1")),
     ("warm restart", ("benchmarks.warm_restart", "--adapters", "5", "--runs", "1")),
 )
+# --quick on moto and the shaped link: the clients whose every fetch starts a process of its
+# own (seconds each on a loaded machine) run on loopback s3rver only.
+QUICK_LOOPBACK_ONLY = frozenset({"aws s3 cp", "awscrt + the sidecar's checks"})
 # The engine's benchmarks need vLLM and Triton (minutes each): --quick imports them and
 # parses their options, which catches a moved name or a broken option.
 ENGINE_BENCHMARKS = ("churn", "name_cost", "new_adapter", "triton_faults", "router_overhead",
@@ -89,6 +97,11 @@ class Context:
     env: dict[str, str]
     adapters: list[Adapter]
     signing_policy: Path | None = None  # --signing: the policy of 'sidecar (signing on)'
+    # what the untimed warm-up fetches: --quick, the small adapter of the miss phase (imports
+    # and connections warmed without the seconds of a large fetch on a slow server)
+    warm_up: Adapter | None = None
+    skip_clients: frozenset[str] = frozenset()  # --quick on the slow servers
+    moto: S3Server | None = None  # started beside the set-up, when a phase needs it
 
 
 def log(message: str) -> None:
@@ -113,11 +126,13 @@ def run_cold(
     """Rounds of every adapter by every stager, the order rotated each round."""
     table = results.cold.setdefault(phase, {})
     cpu_table = results.cold_cpu.setdefault(phase, {})
+    warm_up = ctx.warm_up or ctx.adapters[0]
     for stager in stagers:  # warm-up, untimed: imports, connections, page cache
         if ctx.args.quick and isinstance(stager, CommandStager):
             continue  # a new process each fetch: --quick leaves it nothing worth warming
-        stager.reset(ctx.adapters[0].adapter_id)
-        timed_fetch(stager, ctx.adapters[0])
+        stager.reset(warm_up.adapter_id)
+        timed_fetch(stager, warm_up)
+        stager.reset(warm_up.adapter_id)
     for round_index in range(runs):
         for adapter in ctx.adapters:
             shift = round_index % len(stagers)
@@ -148,7 +163,7 @@ def curl_ceiling(ctx: Context, server: S3Server, limit_bytes: int | None) -> flo
 
 def alternatives(ctx: Context, server: S3Server) -> list[Stager]:
     dest = ctx.dest / server.label
-    return [
+    every: list[Stager] = [
         Boto3Stager("reference (boto3)", server, dest / "reference"),
         tuned_boto3(server, dest / "tuned"),
         aws_cli(ctx.tools.aws, server, ctx.env, dest / "aws"),
@@ -159,6 +174,7 @@ def alternatives(ctx: Context, server: S3Server) -> list[Stager]:
                                    p.stat().st_size) for p in a.files()]
                    for a in ctx.adapters}),
     ]
+    return [stager for stager in every if stager.name not in ctx.skip_clients]
 
 
 def start_sidecar(ctx: Context, server: S3Server, source: Path | None = None,
@@ -191,21 +207,22 @@ def compared_sidecars(ctx: Context, server: S3Server) -> list[SidecarStager]:
 
 def cold_phase(
     ctx: Context, phase: str, server: S3Server, results: Results, *, runs: int,
-    ceiling_bytes: int | None = None,
+    ceiling_bytes: int | None = None, sidecar: SidecarStager | None = None,
 ) -> None:
+    """`sidecar`: this checkout's, started on `server` by the caller and left running (shared
+    with the phases after); None: none (--no-sidecar)."""
     log(f"{phase}: curl ceiling")
     results.ceiling_mb_s[phase] = curl_ceiling(ctx, server, ceiling_bytes)
-    if ctx.args.no_sidecar:
+    if sidecar is None:
         run_cold(ctx, phase, alternatives(ctx, server), results, runs)
         return
-    sidecars = [start_sidecar(ctx, server)]
+    compared = compared_sidecars(ctx, server)
     try:
-        sidecars += compared_sidecars(ctx, server)
         others = [] if ctx.args.sidecars_only else alternatives(ctx, server)
-        run_cold(ctx, phase, [*sidecars, *others], results, runs)
+        run_cold(ctx, phase, [sidecar, *compared, *others], results, runs)
     finally:
-        for sidecar in sidecars:
-            sidecar.close()
+        for stager in compared:
+            stager.close()
 
 
 def read_kib(path: Path, field_name: str) -> int:
@@ -217,7 +234,10 @@ def read_kib(path: Path, field_name: str) -> int:
 
 
 def memory_and_hit_phase(ctx: Context, server: S3Server, results: Results) -> None:
-    """A fresh sidecar stages the largest adapter (peak RSS), then serves the hit path."""
+    """A fresh sidecar stages the largest adapter (peak RSS), then serves the hit path. A
+    sidecar of its own: one that evicted and staged the same adapter again under load saw
+    its watcher take the new folder for one removed behind its back (the hit then answered
+    503)."""
     biggest = ctx.adapters[-1]
     sidecar = start_sidecar(ctx, server)
     try:
@@ -268,10 +288,12 @@ def hit_phase(ctx: Context, sidecar: SidecarStager, adapter: Adapter, results: R
         ctx.sup.stop(bare)
 
 
-def miss_phase(ctx: Context, results: Results, moto: S3Server, uploaded: set[str]) -> None:
+def miss_phase(ctx: Context, results: Results, moto: S3Server, uploaded: set[str],
+               sidecar: SidecarStager) -> None:
     """A small adapter and the largest (--quick: the smallest of the run), staged cold from
-    moto (`uploaded`: the ids it holds already) and from a local folder, each beside the same
-    listing and ranged GETs made bare (benchmarks/miss.py)."""
+    moto (`uploaded`: the ids it holds already; `sidecar`: this checkout's on it, left
+    running) and from a local folder, each beside the same listing and ranged GETs made bare
+    (benchmarks/miss.py)."""
     small = miss.small_adapter(ctx.work / "adapters")
     chosen = [small, ctx.adapters[0] if ctx.args.quick else ctx.adapters[-1]]
     policy = miss._policy()
@@ -279,7 +301,6 @@ def miss_phase(ctx: Context, results: Results, moto: S3Server, uploaded: set[str
     log("miss: uploading to moto")
     adapters_mod.upload(s3_client(moto.endpoint_url),
                         [a for a in chosen if a.adapter_id not in uploaded])
-    sidecar = start_sidecar(ctx, moto)
     bare = miss.BareS3(moto, ctx.dest / "miss-bare-moto", policy)
     try:
         # moto copies the whole object for every ranged GET: the largest adapter gets
@@ -287,7 +308,6 @@ def miss_phase(ctx: Context, results: Results, moto: S3Server, uploaded: set[str
         found = miss.measure("moto", sidecar, bare, chosen[:1], runs, log)
         found += miss.measure("moto", sidecar, bare, chosen[1:], ctx.args.moto_runs, log)
     finally:
-        sidecar.close()
         bare.close()
     results.miss += [asdict(r) for r in found]
     command = ([str(REPO / ".venv" / "bin" / "lora-sidecar")] if ctx.args.sidecar_src is None
@@ -295,13 +315,13 @@ def miss_phase(ctx: Context, results: Results, moto: S3Server, uploaded: set[str
     env = dict(ctx.env)
     if ctx.args.sidecar_src is not None:
         env["PYTHONPATH"] = str(ctx.args.sidecar_src.resolve())
-    sidecar = miss.local_sidecar(ctx.sup, command, ctx.work / "adapters",
-                                 ctx.dest / "miss-cache-local", env, tuple(ctx.args.sidecar_arg))
+    local = miss.local_sidecar(ctx.sup, command, ctx.work / "adapters",
+                               ctx.dest / "miss-cache-local", env, tuple(ctx.args.sidecar_arg))
     bare_local = miss.BareLocal(ctx.work / "adapters", ctx.dest / "miss-bare-local", policy)
     try:
-        found = miss.measure("local folder", sidecar, bare_local, chosen, runs, log)
+        found = miss.measure("local folder", local, bare_local, chosen, runs, log)
     finally:
-        sidecar.close()
+        local.close()
         bare_local.close()
     results.miss += [asdict(r) for r in found]
 
@@ -388,6 +408,34 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = REPO / "benchmarks" / ".work"
     work.mkdir(parents=True, exist_ok=True)
+    sup = Supervisor(work / "logs")
+    untimed: list[tuple[str, subprocess.Popen[str]]] = []
+    try:
+        with terminated_as_exit():
+            # --quick: what measures no time runs beside the set-up, and is waited for before
+            # the first timed phase
+            if args.quick:
+                untimed = start_untimed_others()
+            # moto imports for seconds: it starts beside the set-up (--quick: the warm
+            # restart uses it too)
+            moto = launch_moto(sup) if args.quick or args.phases & {"moto", "miss"} else None
+            report = set_up_and_run(args, work, sup, untimed, moto)
+    finally:
+        for _, proc in untimed:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        sup.stop_all()
+        link.tear_down()
+        shutil.rmtree(args.dest, ignore_errors=True)
+    print(report)
+    return 0
+
+
+def set_up_and_run(args: argparse.Namespace, work: Path, sup: Supervisor,
+                   untimed: list[tuple[str, subprocess.Popen[str]]],
+                   moto: S3Server | None) -> str:
+    """Tools, adapters, every phase; the report, also kept under work/results."""
     log("installing tools (first run only)")
     tools = ensure_tools(work)
     log("generating adapters (first run only)")
@@ -397,91 +445,148 @@ def main(argv: list[str] | None = None) -> int:
     adapters = adapters_mod.generate(specs, work / "adapters")
     policy = adapters_mod.sign(adapters, work / "signing", signing=args.signing)
     adapters = adapters_mod.generate(specs, work / "adapters")  # sizes with model.sig
-    sup = Supervisor(work / "logs")
     shutil.rmtree(args.dest, ignore_errors=True)
     ctx = Context(args, tools, sup, work, args.dest, s3_env(os.environ, work), adapters,
-                  policy)
+                  policy, miss.small_adapter(work / "adapters") if args.quick else None,
+                  moto=moto)
     os.environ.update(ctx.env)  # boto3 in this process reads the same credentials
     results = Results(machine=machine_facts())
-    try:
-        with terminated_as_exit():
-            run_phases(ctx, results)
-    finally:
-        sup.stop_all()
-        link.tear_down()
-        shutil.rmtree(args.dest, ignore_errors=True)
-    report = render(results, adapters)
+    others = ""
+
+    def before_timed() -> None:
+        nonlocal others
+        others = finish_untimed_others(untimed)
+
+    run_phases(ctx, results, before_timed)
     if args.quick:
-        report += quick_others()
+        assert moto is not None
+        others += quick_timed_others(wait_for_moto(moto), sup.log_dir / "moto.log")
+    report = render(results, adapters) + others
     stamp = time.strftime("%Y%m%d-%H%M%S")
     (work / "results").mkdir(exist_ok=True)
     (work / "results" / f"{stamp}.json").write_text(json.dumps(asdict(results), indent=1))
     (work / "results" / f"{stamp}.md").write_text(report)
-    print(report)
-    return 0
+    return report
 
 
-def smallest_only(ctx: Context) -> Context:
-    """--quick: the slow servers (moto, the shaped link) stage the smallest adapter only."""
-    return replace(ctx, adapters=ctx.adapters[:1]) if ctx.args.quick else ctx
+def on_slow_server(ctx: Context) -> Context:
+    """--quick: the slow servers (moto, the shaped link) stage the smallest adapter only,
+    without the clients that start a process per fetch (they run on loopback)."""
+    if not ctx.args.quick:
+        return ctx
+    return replace(ctx, adapters=ctx.adapters[:1], skip_clients=QUICK_LOOPBACK_ONLY)
 
 
-def quick_others() -> str:
-    """The other benchmarks in their small modes (a failure stops the run), and the engine's
-    imported with their options parsed; their tables, for the report."""
+ENGINE_CHECK = ("import importlib, sys\n"
+                f"for name in '{','.join(ENGINE_BENCHMARKS)}'.split(','):\n"
+                "    module = importlib.import_module('benchmarks.' + name)\n"
+                "    try:\n"
+                "        module.main(['--help'])\n"
+                "    except SystemExit as done:\n"
+                "        assert done.code == 0, (name, done.code)\n")
+
+
+def start_untimed_others() -> list[tuple[str, subprocess.Popen[str]]]:
+    """--quick: the routing simulator and the engine's benchmarks (imported, their options
+    parsed), started at once: neither measures time, so they may share the CPU."""
+    started = []
+    for title, arguments in QUICK_SIMULATED:
+        log(f"quick: {title} (beside the set-up)")
+        started.append((title, subprocess.Popen(
+            [sys.executable, "-m", *arguments], cwd=REPO, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
+    log("quick: the engine's benchmarks, imported and their options parsed (beside the set-up)")
+    started.append(("engine", subprocess.Popen(
+        [sys.executable, "-c", ENGINE_CHECK], cwd=REPO, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
+    return started
+
+
+def finish_untimed_others(started: list[tuple[str, subprocess.Popen[str]]]) -> str:
+    """Waits for what `start_untimed_others` started (a failure stops the run); their
+    tables, for the report."""
     out = []
-    for title, arguments in QUICK_OTHERS:
+    for title, proc in started:
+        stdout, stderr = proc.communicate(timeout=300)
+        if title == "engine":
+            if proc.returncode != 0:
+                raise SystemExit(f"an engine benchmark does not import or parse its options:\n"
+                                 f"{stderr}")
+            out.append(f"\nImported, options parsed: {', '.join(ENGINE_BENCHMARKS)}.")
+            continue
+        arguments = dict(QUICK_SIMULATED)[title]
+        if proc.returncode != 0:
+            raise SystemExit(f"benchmark {title} (python -m {' '.join(arguments)}) failed "
+                             f"with status {proc.returncode}:\n{stdout}{stderr}")
+        out.append(f"\n### {title}: python -m {' '.join(arguments)}\n\n{stdout.strip()}")
+    return "\n".join(out) + "\n" if out else ""
+
+
+def quick_timed_others(moto: S3Server, moto_log: Path) -> str:
+    """The restart benchmarks in their small modes, one after the other once the table's
+    phases are done (a failure stops the run), the warm restart on the run's moto (idle by
+    then); their tables, for the report."""
+    out = []
+    for title, arguments in QUICK_TIMED:
         log(f"quick: {title}")
-        done = subprocess.run([sys.executable, "-m", *arguments], cwd=REPO,
+        shared = (("--moto-url", moto.endpoint_url, "--moto-log", str(moto_log))
+                  if arguments[0] == "benchmarks.warm_restart" else ())
+        done = subprocess.run([sys.executable, "-m", *arguments, *shared], cwd=REPO,
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise SystemExit(f"benchmark {title} (python -m {' '.join(arguments)}) failed "
                              f"with status {done.returncode}:\n{done.stdout}{done.stderr}")
         out.append(f"\n### {title}: python -m {' '.join(arguments)}\n\n{done.stdout.strip()}")
-    log("quick: the engine's benchmarks, imported and their options parsed")
-    modules = ",".join(ENGINE_BENCHMARKS)
-    check = ("import importlib, sys\n"
-             f"for name in '{modules}'.split(','):\n"
-             "    module = importlib.import_module('benchmarks.' + name)\n"
-             "    try:\n"
-             "        module.main(['--help'])\n"
-             "    except SystemExit as done:\n"
-             "        assert done.code == 0, (name, done.code)\n")
-    done = subprocess.run([sys.executable, "-c", check], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
-    if done.returncode != 0:
-        raise SystemExit(f"an engine benchmark does not import or parse its options:\n"
-                         f"{done.stderr}")
-    out.append(f"\nImported, options parsed: {', '.join(ENGINE_BENCHMARKS)}.")
     return "\n".join(out) + "\n"
 
 
-def run_phases(ctx: Context, results: Results) -> None:
+def run_phases(ctx: Context, results: Results,
+               before_timed: Callable[[], None] = lambda: None) -> None:
+    """`before_timed`: called once the first server holds the adapters, before anything is
+    timed."""
     phases = ctx.args.phases
     data_dir = ctx.work / "s3rver-data"
     s3rver = start_s3rver(ctx.sup, ctx.tools, data_dir, label="s3rver")
-    log("uploading to s3rver")
-    adapters_mod.upload(s3_client(s3rver.endpoint_url), ctx.adapters)
+    warm_up = [] if ctx.warm_up is None else [ctx.warm_up]
+    moto_ctx = on_slow_server(ctx)
+    moto_adapters = [*warm_up, *(moto_ctx.adapters if "moto" in phases else [])]
+    with ThreadPoolExecutor(2) as pool:  # both uploads before anything is timed
+        if phases & {"moto", "miss"}:
+            assert ctx.moto is not None
+            moto = wait_for_moto(ctx.moto)  # one moto, and one sidecar on it, for both phases
+            log("uploading to moto")
+            to_moto = pool.submit(adapters_mod.upload, s3_client(moto.endpoint_url),
+                                  moto_adapters)
+        log("uploading to s3rver")
+        adapters_mod.upload(s3_client(s3rver.endpoint_url), [*warm_up, *ctx.adapters])
+        if phases & {"moto", "miss"}:
+            to_moto.result()
+    before_timed()
     if "loopback" in phases:
-        cold_phase(ctx, "loopback, s3rver", s3rver, results, runs=ctx.args.runs)
+        sidecar = None if ctx.args.no_sidecar else start_sidecar(ctx, s3rver)
+        try:
+            cold_phase(ctx, "loopback, s3rver", s3rver, results, runs=ctx.args.runs,
+                       sidecar=sidecar)
+        finally:
+            if sidecar is not None:
+                sidecar.close()
     if phases & {"memory", "hit"}:
         memory_and_hit_phase(ctx, s3rver, results)
     ctx.sup.stop(s3rver.proc)
     if phases & {"moto", "miss"}:
-        moto = start_moto(ctx.sup)  # one moto for both phases
+        sidecar = None
         try:
-            uploaded: set[str] = set()
+            uploaded = {a.adapter_id for a in moto_adapters}
+            sidecar = None if ctx.args.no_sidecar else start_sidecar(ctx, moto)
             if "moto" in phases:
-                log("uploading to moto")
-                moto_ctx = smallest_only(ctx)
-                adapters_mod.upload(s3_client(moto.endpoint_url), moto_ctx.adapters)
-                uploaded.update(a.adapter_id for a in moto_ctx.adapters)
                 # moto copies the whole object for every ranged GET
-                cold_phase(moto_ctx, "loopback, moto", moto, results, runs=ctx.args.moto_runs)
-            if "miss" in phases:
-                miss_phase(ctx, results, moto, uploaded)
+                cold_phase(moto_ctx, "loopback, moto", moto, results, runs=ctx.args.moto_runs,
+                           sidecar=sidecar)
+            if "miss" in phases and sidecar is not None:
+                miss_phase(ctx, results, moto, uploaded, sidecar)
         finally:
-            ctx.sup.stop(moto.proc)
+            if sidecar is not None:
+                sidecar.close()
     if "shaped" in phases:
         shaped = link.set_up(SHAPED_MBIT)
         try:
@@ -489,12 +594,16 @@ def run_phases(ctx: Context, results: Results) -> None:
                                   shaped=shaped, delay_ms=SHAPED_DELAY_MS)
             phase = (f"shaped link, s3rver ({SHAPED_MBIT} Mbit/s per connection, "
                      f"+{SHAPED_DELAY_MS} ms per response)")
+            sidecar = None
             try:
+                sidecar = None if ctx.args.no_sidecar else start_sidecar(ctx, server)
                 # One stream at 200 Mbit/s would take half a minute for the whole object.
                 ceiling = (20 if ctx.args.quick else 100) * 1000**2
-                cold_phase(smallest_only(ctx), phase, server, results, runs=ctx.args.runs,
-                           ceiling_bytes=ceiling)
+                cold_phase(on_slow_server(ctx), phase, server, results, runs=ctx.args.runs,
+                           ceiling_bytes=ceiling, sidecar=sidecar)
             finally:
+                if sidecar is not None:
+                    sidecar.close()
                 ctx.sup.stop(server.proc)
         finally:
             link.tear_down()

