@@ -317,15 +317,20 @@ async def test_hundreds_of_clients_racing_stage_release_evict_pin_unpin_keep_eve
                          if name == "lora_sidecar_stage_requests_total")
     assert stage_requests == world.stage_calls
 
-    # Downloads: exactly one per stay in the cache, counted at the S3 server.
+    # Downloads: the weights exactly once per stay in the cache, counted at the S3 server. The
+    # config is fetched to judge the adapter before any room is held, so a stage that then
+    # waited for room past its deadline (507) fetched it once more, and nothing else did.
     events = sidecar_events(process.log_text())
     history: dict[str, list[str]] = defaultdict(list)
     evictions_by_reason: Counter[str] = Counter()
+    judged_then_full: Counter[str] = Counter()
     for entry in events:
         if entry["event"] in ("staged", "evicted"):
             history[entry["adapter_id"]].append(entry["event"])
         if entry["event"] == "evicted":
             evictions_by_reason[entry["reason"]] += 1
+        if entry["event"] == "stage_failed" and entry["error"] == "cache_full":
+            judged_then_full[entry["adapter_id"]] += 1
     for adapter_id in ADAPTERS:
         stays = history[adapter_id]
         assert stays[::2] == ["staged"] * len(stays[::2]), (adapter_id, stays)
@@ -333,7 +338,9 @@ async def test_hundreds_of_clients_racing_stage_release_evict_pin_unpin_keep_eve
         assert (len(stays) % 2 == 1) == (adapter_id in index), (adapter_id, stays)
         for name in sources[adapter_id]:
             downloads = len(s3.proxy.gets(s3.key(adapter_id, name)))
-            assert downloads == stays.count("staged"), (adapter_id, name, downloads, stays)
+            judged = judged_then_full[adapter_id] if name == "adapter_config.json" else 0
+            assert downloads == stays.count("staged") + judged, (
+                adapter_id, name, downloads, stays, judged)
     assert evictions_by_reason["external"] == 0 and evictions_by_reason["forced"] == 0
     assert evictions_by_reason["manual"] == world.manual_evictions
     for reason in ("policy", "manual"):
