@@ -704,15 +704,17 @@ class AdapterStore:
         for lease_id in self._leases.ids_of(adapter_id):
             self._leases.end(lease_id)
         self._count_eviction(adapter, EvictReason.EXTERNAL)
-        self._listener.vanished(adapter_id, changed)
         self._wake_first()
+        self._listener.vanished(adapter_id, changed)  # last: the store is whole if it fails
         return adapter
 
     def _evict_now(self, adapter_id: str, reason: EvictReason) -> Eviction:
+        # Told first: should the catalog fail, the adapter stays indexed and its folder where
+        # it is, never a folder in adapters/ that the index no longer names.
+        self._listener.leaving(adapter_id)
         adapter = self._index.pop(adapter_id)
         self._policy.evicted(adapter_id)
         target = self.trash_dir / f"{adapter_id}.{secrets.token_hex(6)}"
-        self._listener.leaving(adapter_id)
         try:
             # One rename: readers see the whole folder or nothing, never half of it.
             os.rename(self.path_of(adapter_id), target)

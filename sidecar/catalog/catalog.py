@@ -89,6 +89,7 @@ class Catalog(StoreListener):
         self.disk_bytes = 0  # the catalog's own bytes on the volume, as last measured
         self._judging: asyncio.TimerHandle | None = None
         self._unwatched_said = False
+        self._gone_said: set[int] = set()  # generations whose folder vanished, said once
         self._changes = {event: metrics.catalog_name_changes.labels(change=change)
                          for event, change in ((NameEvent.BIND, "bound"),
                                                (NameEvent.LEAVE, "parked"),
@@ -260,7 +261,9 @@ class Catalog(StoreListener):
         number = generation.number
         entry = generation.apply(name, event, why, version)
         key = (number, name)
-        if entry.state is NameState.BOUND:
+        if not self._folder_there(number):
+            pass  # no link of it leads anywhere; none is written into a folder made anew
+        elif entry.state is NameState.BOUND:
             assert entry.version is not None
             disk.point_link(self.root, number, name, disk.adapter_target(entry.version.adapter_id))
         elif entry.state is not NameState.RETIRED:
@@ -273,6 +276,20 @@ class Catalog(StoreListener):
             self.reads.unwatch(key)
         self.dirty = True
         return Change(number, name, event, entry.state, entry.version, why)
+
+    def _folder_there(self, number: int) -> bool:
+        """Whether generation `number`'s names/ folder exists (one stat). Removed outside the
+        sidecar (a wipe of the cache root), its names cannot be linked: said once, and the
+        journal keeps their states, so a move of a name there never fails an eviction."""
+        if disk.names_dir(self.root, number).is_dir():
+            return True
+        if number not in self._gone_said:
+            self._gone_said.add(number)
+            log.error("catalog: the folder of generation %d was removed outside the sidecar; "
+                      "its names lead nowhere and are no longer handed out (a new generation "
+                      "lists the adapters)", number,
+                      extra=fields(event="generation_gone", generation=number))
+        return False
 
     def _watch(self, number: int, name: str) -> None:
         watched = self.reads.watch((number, name), disk.noop_dir(self.root, number, name))
@@ -354,6 +371,9 @@ class Catalog(StoreListener):
                 if generation is None:
                     raise CatalogPending(f"catalog generation {number} was retired meanwhile; "
                                          "stage it again", adapter_id=version.adapter_id)
+                if not self._folder_there(number):
+                    raise NoNameLeft(number, f"the folder of generation {number} was removed "
+                                     "outside the sidecar")
                 name = generation.serving_name(version.adapter_id, version.digest)
                 if name is not None:
                     return name, None
