@@ -3,6 +3,7 @@ driven through the calls the store makes, against LRU and the offline optimum (B
 
     .venv/bin/python -m benchmarks.policy            # every trace, 100,000 requests: ~5 min
     .venv/bin/python -m benchmarks.policy --quick    # shorter traces, fewer sizes: ~30 s
+    .venv/bin/python -m benchmarks.policy --robustness  # only the many-seed table: ~1 min
     .venv/bin/python -m benchmarks.policy --http     # a running sidecar replays a trace
     benchmarks/run.sh policy [--quick|--http]        # the same, building the venv first
 
@@ -13,6 +14,12 @@ admitted and then leased, as a download for a request is. Nothing is in use betw
 and evicts the cached adapter asked for again the farthest in the future (never: first); for
 adapters of different sizes that rule is a heuristic, not a proven optimum, and a policy may
 come out above it. Download seconds: missed bytes at an assumed 200 MB/s (one S3 stream).
+
+The robustness table draws each trace family anew for many seeds (10; --quick 3), short (600
+requests, what a fresh sidecar sees) and longer (2,000), at rooms of 5%, 10% and 25%, and gives
+the min and median of each policy's ratio to Belady, so that no choice rests on one seed;
+beside them the top-k oracle (evicting by the whole trace's counts: what knowing popularity
+exactly would give a frequency policy).
 
 `--http` starts `python -m sidecar serve` on a local registry of tiny adapters, sends each
 request of a trace as POST /stage (lease false, one at a time) and counts the answers that
@@ -28,6 +35,7 @@ import math
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,6 +55,8 @@ POLICIES = (EvictionPolicyName.LRU, EvictionPolicyName.LFU, EvictionPolicyName.T
             EvictionPolicyName.S3FIFO)
 BANDWIDTH_B_S = 200e6  # assumed download speed for "download seconds"
 SEED = 20261206
+SHIFT_EVERY = (250, 500, 2000)  # requests between changes of the hot set (small traces)
+SHORT = 600  # requests of a short trace
 
 # Llama-3-8B: 32 layers, hidden 4096, k/v project to 1,024, intermediate 14,336; bf16.
 _PROJECTIONS = {"q": (4096, 4096), "k": (4096, 1024), "v": (4096, 1024), "o": (4096, 4096),
@@ -170,12 +180,21 @@ def traces(quick: bool) -> list[tuple[Trace, list[float]]]:
     out.append((Trace("small: zipf 1.0, 120 adapters",
                       ranked(small_ids, zipf(small_n, 1.0, small_len, rng), rng), equal, True),
                 small_fracs))
-    for every in (500, 2000):
+    for every in SHIFT_EVERY:
         out.append((Trace(f"small: shifting, 120 adapters (10 hot replaced every {every:,})",
                           shifting(small_ids, 1.0, small_len, every, 10, rng), equal, True),
                     small_fracs))
     out.append((Trace("small: scan, 120 adapters", with_scan(small_ids, 1.0, small_len, rng),
                       equal, True), small_fracs))
+    # What a fresh sidecar driven over HTTP sees: a few hundred requests, the counts still empty.
+    short_fracs = [0.1] if quick else [0.05, 0.1, 0.25]
+    out.append((Trace(f"short: zipf 1.0, 120 adapters, {SHORT:,} requests",
+                      ranked(small_ids, zipf(small_n, 1.0, SHORT, rng), rng), equal, True),
+                short_fracs))
+    out.append((Trace(f"short: shifting every 250, 120 adapters, {SHORT:,} requests",
+                      shifting(small_ids, 1.0, SHORT, 250, 10, rng), equal, True), short_fracs))
+    out.append((Trace(f"short: scan, 120 adapters, {SHORT:,} requests",
+                      with_scan(small_ids, 1.0, SHORT, rng), equal, True), short_fracs))
     return out
 
 
@@ -288,14 +307,18 @@ class Row:
     outcomes: dict[str, Outcome]
 
 
-def run_trace(trace: Trace, fraction: float) -> Row:
+def _room(trace: Trace, fraction: float) -> tuple[int, int]:
+    """(max adapters, max bytes) for a cache of `fraction` of the registry."""
     if trace.by_count:
-        max_adapters = max(1, round(fraction * len(trace.sizes)))
-        max_bytes = 1 << 62
+        return max(1, round(fraction * len(trace.sizes))), 1 << 62
+    return 1 << 30, int(fraction * trace.registry_bytes)
+
+
+def run_trace(trace: Trace, fraction: float) -> Row:
+    max_adapters, max_bytes = _room(trace, fraction)
+    if trace.by_count:
         room = f"{max_adapters} adapters"
     else:
-        max_adapters = 1 << 30
-        max_bytes = int(fraction * trace.registry_bytes)
         room = f"{fraction:.1%} of bytes ({max_bytes / 1e9:.1f} GB)"
     outcomes = {"belady": belady(trace.requests, trace.sizes, max_bytes=max_bytes,
                                  max_adapters=max_adapters)}
@@ -325,6 +348,116 @@ def print_table(rows: list[Row]) -> None:
         cells = [f"{row.outcomes[n].byte_hit_ratio:.3f}, {row.outcomes[n].download_s:,.0f} s"
                  for n in ["belady", *names]]
         print(f"| {row.trace} | {row.room} | {' | '.join(cells)} |")
+
+
+# ---- robustness: many seeds, short and long traces -----------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """A kind of trace, drawn anew for each seed and length."""
+
+    name: str
+    goal: float  # the issue's goal for the ratio to Belady on such traces
+    draw: Callable[[random.Random, int], list[str]]  # (rng, requests) -> the trace
+    sizes: dict[str, int]
+    by_count: bool
+
+
+ROBUST_LENGTHS = (SHORT, 2000)
+ROBUST_ROOMS = (0.05, 0.1, 0.25)
+
+
+def families() -> list[Family]:
+    """Equal sizes over 120 adapters (room counted in adapters) and realistic sizes over 300
+    (room in bytes); stationary Zipf, hot sets replaced at several rates, a scan."""
+    n = 120
+    ids = [f"s{i}" for i in range(n)]
+    equal = dict.fromkeys(ids, 1)
+
+    def stationary(s: float) -> Callable[[random.Random, int], list[str]]:
+        return lambda rng, length: ranked(ids, zipf(n, s, length, rng), rng)
+
+    def shifts(every: int) -> Callable[[random.Random, int], list[str]]:
+        return lambda rng, length: shifting(ids, 1.0, length, every, 10, rng)
+
+    out = [Family(f"zipf {s}", 0.85, stationary(s), equal, True) for s in (0.8, 1.0, 1.2)]
+    out += [Family(f"shifting every {every:,}", 0.78, shifts(every), equal, True)
+            for every in SHIFT_EVERY]
+    out.append(Family("scan", 0.85, lambda rng, length: with_scan(ids, 1.0, length, rng),
+                      equal, True))
+    sizes = realistic_sizes(300, random.Random(SEED))
+    big_ids = list(sizes)
+    out.append(Family("realistic sizes: zipf 1.0", 0.85, lambda rng, length: ranked(
+        big_ids, zipf(len(big_ids), 1.0, length, rng), rng), sizes, False))
+    out.append(Family("realistic sizes: shifting every 500", 0.78, lambda rng, length: shifting(
+        big_ids, 1.0, length, 500, 25, rng), sizes, False))
+    return out
+
+
+def top_k_oracle(requests: Sequence[str], sizes: dict[str, int], *, max_bytes: int,
+                 max_adapters: int) -> Outcome:
+    """Offline, inserting every miss: evict the adapter asked for least often over the whole
+    trace (ties: least recently used). What a frequency policy could do knowing popularity
+    exactly; no better than that on a stationary trace, and blind to shifts."""
+    total: dict[str, int] = {}
+    for adapter_id in requests:
+        total[adapter_id] = total.get(adapter_id, 0) + 1
+    cached: dict[str, int] = {}  # id -> last request
+    cached_bytes = 0
+    outcome = Outcome()
+    for i, adapter_id in enumerate(requests):
+        size = sizes[adapter_id]
+        hit = adapter_id in cached
+        if not hit:
+            while cached and (cached_bytes + size > max_bytes or len(cached) + 1 > max_adapters):
+                victim = min(cached, key=lambda c: (total[c], cached[c]))
+                del cached[victim]
+                cached_bytes -= sizes[victim]
+            cached_bytes += size
+        cached[adapter_id] = i
+        outcome.count(hit, size, False)
+    return outcome
+
+
+def robustness(seeds: int) -> list[tuple[Family, int, dict[str, list[float]], list[float]]]:
+    """Each family at each length, for every seed and room: each policy's hit ratio over
+    Belady's (and the top-k oracle's), and Belady's own hit ratio."""
+    out = []
+    for family in families():
+        for length in ROBUST_LENGTHS:
+            ratios: dict[str, list[float]] = {p.value: [] for p in POLICIES}
+            ratios["top-k oracle"] = []
+            bests = []
+            for seed in range(seeds):
+                trace = Trace(family.name, family.draw(random.Random(SEED + seed), length),
+                              family.sizes, family.by_count)
+                for fraction in ROBUST_ROOMS:
+                    row = run_trace(trace, fraction)
+                    best = row.outcomes["belady"].hit_ratio
+                    bests.append(best)
+                    for name in POLICIES:
+                        ratios[name.value].append(row.outcomes[name.value].hit_ratio / best)
+                    room = _room(trace, fraction)
+                    oracle = top_k_oracle(trace.requests, trace.sizes, max_bytes=room[1],
+                                          max_adapters=room[0])
+                    ratios["top-k oracle"].append(oracle.hit_ratio / best)
+            out.append((family, length, ratios, bests))
+    return out
+
+
+def print_robustness(results: list[tuple[Family, int, dict[str, list[float]], list[float]]],
+                     seeds: int) -> None:
+    names = [*(p.value for p in POLICIES), "top-k oracle"]
+    rooms = ", ".join(f"{f:.0%}" for f in ROBUST_ROOMS)
+    print(f"\nrobustness: hit ratio / Belady's, min / median over {seeds} seeds x rooms of "
+          f"{rooms}")
+    print(f"| family | requests | goal | Belady (median) | {' | '.join(names)} |")
+    print("|---|---:|---:|---:|" + "---:|" * len(names))
+    for family, length, ratios, bests in results:
+        cells = [f"{min(ratios[n]):.3f} / {statistics.median(ratios[n]):.3f}" for n in names]
+        print(f"| {family.name} | {length:,} | {family.goal:.2f} | "
+              f"{statistics.median(bests):.3f} | {' | '.join(cells)} |")
 
 
 _COLOURS = {"belady": "#000000", "lru": "#d62728", "lfu": "#1f77b4", "w-tinylfu": "#2ca02c",
@@ -481,6 +614,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-requests", type=int, default=600)
     parser.add_argument("--policies", default="lfu,lru",
                         help="--http: the policies to replay (comma-separated)")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="traces per family in the robustness table (default 10, --quick 3)")
+    parser.add_argument("--robustness", action="store_true",
+                        help="only the robustness table (no long traces, no curves)")
     parser.add_argument("--svg", type=Path, default=REPO / "benchmarks" / "policy-curves.svg",
                         help="where the curves go")
     args = parser.parse_args(argv)
@@ -488,12 +625,19 @@ def main(argv: list[str] | None = None) -> int:
         args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
         return http_check(args)
     started = time.monotonic()
+    seeds = args.seeds or (3 if args.quick else 10)
+    robust = robustness(seeds)
+    print(f"[{time.monotonic() - started:5.1f}s] robustness", file=sys.stderr, flush=True)
+    if args.robustness:
+        print_robustness(robust, seeds)
+        return 0
     rows = []
     for trace, fractions in traces(args.quick):
         for fraction in fractions:
             rows.append(run_trace(trace, fraction))
         print(f"[{time.monotonic() - started:5.1f}s] {trace.name}", file=sys.stderr, flush=True)
     print_table(rows)
+    print_robustness(robust, seeds)
     draw_curves(rows, args.svg)
     print(f"\ncurves: {args.svg}")
     if shutil.which("rsvg-convert"):

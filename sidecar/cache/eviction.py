@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 from ..config import EvictionPolicyName
-from .frequency import FrequencySketch
+from .frequency import COUNTER_MAX, FrequencySketch
 from .lru import CachedAdapter, LruIndex, eviction_order
 
 IsProtected = Callable[[str], bool]
@@ -27,6 +27,17 @@ AGING = 15
 # measured in benchmarks/policy.py (hot sets replaced every 500 requests: +0.02 of Belady;
 # stationary and scan traces: within 0.005; 3 loses 0.01 on Zipf 0.8, 2 loses 0.02).
 STALE = 4
+# And at least as high as its recent rate: an adapter asked for RECENT times within the last d
+# requests ranks as if its count were RECENT_WEIGHT x RECENT x period / d (at most the counters'
+# cap), so the new favourites of a shifted popularity, and in a young cache the adapters asked
+# for most lately, win their place before their counts have grown; measured in
+# benchmarks/policy.py (its README section gives the figures and the variants not kept).
+RECENT = 4
+RECENT_WEIGHT = 0.6
+# The last RECENT request times are kept for the ids asked for most lately, at most HISTORY x
+# (adapters on disk) of them (and HISTORY_MIN), whatever the number of ids.
+HISTORY = 4
+HISTORY_MIN = 64
 
 
 class EvictionPolicy:
@@ -72,7 +83,11 @@ class AgedLfu(EvictionPolicy):
     A cached adapter silent for longer than its count predicts is ranked as if its count were
     halved once for every STALE x (period / count) requests of silence: the formerly hot
     adapters of a shifted popularity go before their counts have aged, while one that is just
-    between requests keeps its place."""
+    between requests keeps its place.
+
+    An adapter asked for RECENT times lately ranks at least as its rate over those requests
+    says (in the count's units, discounted by RECENT_WEIGHT): the new favourites of a shift are
+    kept on their first few requests, where their counts alone would still rank them last."""
 
     name = EvictionPolicyName.LFU
 
@@ -82,6 +97,9 @@ class AgedLfu(EvictionPolicy):
         self._halvings = self.sketch.halvings
         self._requests = 0  # since start: the clock of silences (not saved; a restart resets)
         self._last: dict[str, int] = {}  # each cached adapter's last request on that clock
+        # The last RECENT requests of the ids asked for lately, newest first (cached or not;
+        # at most HISTORY x cached ids, least recently asked dropped first; not saved either).
+        self._recent: OrderedDict[str, tuple[int, ...]] = OrderedDict()
 
     def admitted(self, adapter: CachedAdapter, *, newest: bool) -> None:
         super().admitted(adapter, newest=newest)
@@ -98,6 +116,10 @@ class AgedLfu(EvictionPolicy):
             self._counts = {cached: self.sketch.estimate(cached) for cached in self._counts}
         if adapter_id in self._counts:
             self._counts[adapter_id] = count
+        recent = self._recent
+        recent[adapter_id] = (self._requests, *recent.pop(adapter_id, ()))[:RECENT]
+        while len(recent) > max(HISTORY * self._cached, HISTORY_MIN):
+            recent.popitem(last=False)
 
     def evicted(self, adapter_id: str) -> None:
         super().evicted(adapter_id)
@@ -105,13 +127,19 @@ class AgedLfu(EvictionPolicy):
         self._last.pop(adapter_id, None)
 
     def order(self, index: LruIndex, is_protected: IsProtected) -> Iterator[CachedAdapter]:
-        counts, last, now = self._counts, self._last, self._requests
-        stretch = STALE * max(self.sketch.period, 1)  # x count: silences of STALE x expected
+        counts, last, recent, now = self._counts, self._last, self._recent, self._requests
+        period = max(self.sketch.period, 1)
+        stretch = STALE * period  # x count: silences of STALE x expected
+        lately = RECENT_WEIGHT * RECENT * period  # / the span of the last RECENT requests
 
-        def rank(adapter: CachedAdapter) -> int:
+        def rank(adapter: CachedAdapter) -> float:
             count = counts.get(adapter.adapter_id, 0)
             silence = now - last.get(adapter.adapter_id, now)
-            return count >> min(silence * count // stretch, 8)
+            aged = count >> min(silence * count // stretch, 8)
+            times = recent.get(adapter.adapter_id, ())
+            if len(times) < RECENT:
+                return aged
+            return max(aged, min(lately / (now - times[-1] + 1), COUNTER_MAX))
 
         candidates = [a for a in index.values() if not is_protected(a.adapter_id)]
         candidates.sort(key=rank)  # stable: LRU among equals
