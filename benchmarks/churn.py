@@ -192,14 +192,15 @@ def main(argv: list[str] | None = None) -> int:
     with engine_bench() as bench:
         assets = bench.assets
         registries: dict[str, dict[str, Path]] = {}
+        made = work / "registry"  # the adapters' folders, as uploaded
         if {"quarter", "fits"} & set(phase_names):
             registries["quarter"] = registries["fits"] = {
-                f"bench-{n:03d}": variant(assets.adapter(f"tenant-{n % 4}"), work / f"v{n}",
+                f"bench-{n:03d}": variant(assets.adapter(f"tenant-{n % 4}"), made / f"v{n}",
                                           lora_alpha=1.0 + 0.75 * n)
                 for n in range(args.adapters)}
         if "mixed" in phase_names:
             registries["mixed"] = {
-                f"mixed-{n:03d}": with_rank(assets.adapter(f"tenant-{n % 4}"), work / f"m{n}",
+                f"mixed-{n:03d}": with_rank(assets.adapter(f"tenant-{n % 4}"), made / f"m{n}",
                                             MIXED_RANKS[n % len(MIXED_RANKS)], seed=1000 + n)
                 for n in range(args.mixed)}
         texts: dict[str, str] = {}
