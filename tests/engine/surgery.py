@@ -76,3 +76,27 @@ def variant(source: Path, dest: Path, lora_alpha: float) -> Path:
     copy_adapter(source, dest)
     edit_config(dest, lora_alpha=lora_alpha)
     return dest
+
+
+def with_rank(source: Path, dest: Path, rank: int, seed: int) -> Path:
+    """A good adapter of its own at another LoRA rank, from a good one of the plainest kind (the
+    same modules and dtype): new A and B tensors of `rank`, drawn with `seed` at the spread of
+    the source's own, and `r` and `lora_alpha` (2 x r) in its config to match (its own text;
+    get it with EngineAssets.references)."""
+    copy_adapter(source, dest)
+    rng = np.random.default_rng(seed)
+
+    def edit(tensors: Tensors) -> None:
+        for name, array in list(tensors.items()):
+            if ".lora_A." in name:  # (r, in)
+                shape: tuple[int, ...] = (rank, array.shape[1])
+            elif ".lora_B." in name:  # (out, r)
+                shape = (array.shape[0], rank)
+            else:
+                raise ValueError(f"{source}: {name} is neither lora_A nor lora_B")
+            spread = float(array.astype(np.float32).std())
+            tensors[name] = rng.normal(0.0, spread, shape).astype(array.dtype)
+
+    edit_tensors(dest, edit)
+    edit_config(dest, r=rank, lora_alpha=2 * rank)
+    return dest

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tritonclient.utils import InferenceServerException
 
+from sidecar.cache.records import RECORD_NAME
 from tests.engine.node import EngineNode, status_of
 
 ZIPF_S = 1.1
@@ -87,8 +88,8 @@ class Clients:
 @dataclass
 class DiskSampler:
     """Bytes under the cache root every SAMPLE_S (a hard-linked file once): the adapters'
-    files (published, being staged, being deleted; records aside) against the budget, and
-    everything else."""
+    files (published, being staged, being deleted; records aside, `.sidecar.json` and the
+    `.sidecar.json.new` that replaces it) against the budget, and everything else."""
 
     root: Path
     adapter_bytes: list[int] = field(default_factory=list)
@@ -120,7 +121,7 @@ class DiskSampler:
                     if st.st_ino in seen:
                         continue
                     seen.add(st.st_ino)
-                    if top and top[0] in ADAPTER_DIRS and name != ".sidecar.json":
+                    if top and top[0] in ADAPTER_DIRS and not name.startswith(RECORD_NAME):
                         adapters += st.st_size
                     else:
                         other += st.st_size
