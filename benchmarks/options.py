@@ -69,12 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--quick", action="store_true",
-                        help="every benchmark in a small mode, about 40 s idle (2 minutes under "
-                        "a load of 8): 27 and 84 MB adapters, one run, warm-ups on a 33 KB adapter, "
-                        "1 s of load; moto and the shaped link stage the 27 MB one without "
-                        "`aws s3 cp` and awscrt (a process per fetch: loopback has them); the "
-                        "routing simulator and the engine's benchmarks (imported, their "
-                        "options parsed: running them needs vLLM and Triton) beside the "
+                        help="every benchmark in a small mode, about 40 s idle (2 minutes under a "
+                        "load of 8): 27 and 84 MB adapters, one run, warm-ups on a 33 KB "
+                        "adapter, 1 s of load; moto and the shaped link stage the 27 MB one "
+                        "without `aws s3 cp` and awscrt (a process per fetch: loopback has "
+                        "them); the routing simulator and the engine's benchmarks (imported, "
+                        "their options parsed: running them needs vLLM and Triton) beside the "
                         "set-up, the restart benchmarks on a few small adapters at the end; "
                         "what `make test` runs")
     parser.add_argument("--runs", type=int, default=None, help="timed runs per cell (3)")
