@@ -99,15 +99,33 @@ class _Ranges:
         response.read()
 
 
-class BareS3:
+class _Bare:
+    """What both bare fetchers share: the destination, the sidecar's part sizes, a pool of
+    its width for the parts, and undoing a fetch."""
+
+    def __init__(self, dest: Path, policy: TransferPolicy) -> None:
+        self._dest = dest
+        self._policy = policy
+        self._pool = ThreadPoolExecutor(policy.concurrency)
+
+    def _parts(self, size: int) -> list[tuple[int, int]]:
+        starts = part_starts(size, self._policy)
+        return list(zip(starts, [*starts[1:], size], strict=True))
+
+    def reset(self, adapter_id: str) -> None:
+        shutil.rmtree(self._dest / adapter_id, ignore_errors=True)
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+
+class BareS3(_Bare):
     """The registry's own listing and the sidecar's ranged GETs, nothing else."""
 
     def __init__(self, server: S3Server, dest: Path, policy: TransferPolicy) -> None:
+        super().__init__(dest, policy)
         self._client = s3_client(server.endpoint_url)
-        self._dest = dest
-        self._policy = policy
         self._ranges = _Ranges()
-        self._pool = ThreadPoolExecutor(policy.concurrency)
 
     def fetch(self, adapter_id: str) -> None:
         folder = self._dest / adapter_id
@@ -124,31 +142,22 @@ class BareS3:
                 fds.append(fd)
                 size = int(obj["Size"])
                 os.ftruncate(fd, size)
-                starts = part_starts(size, self._policy)
-                for start, end in zip(starts, [*starts[1:], size], strict=True):
-                    jobs.append(self._pool.submit(self._ranges.get, url, start, end, fd))
+                jobs += [self._pool.submit(self._ranges.get, url, start, end, fd)
+                         for start, end in self._parts(size)]
             for job in jobs:
                 job.result()
         finally:
             for fd in fds:
                 os.close(fd)
 
-    def reset(self, adapter_id: str) -> None:
-        shutil.rmtree(self._dest / adapter_id, ignore_errors=True)
 
-    def close(self) -> None:
-        self._pool.shutdown()
-
-
-class BareLocal:
+class BareLocal(_Bare):
     """A local registry's own listing (the folder's entries, stat'd) and the same ranges read
     and written, nothing else."""
 
     def __init__(self, root: Path, dest: Path, policy: TransferPolicy) -> None:
+        super().__init__(dest, policy)
         self._root = root
-        self._dest = dest
-        self._policy = policy
-        self._pool = ThreadPoolExecutor(policy.concurrency)
 
     def fetch(self, adapter_id: str) -> None:
         folder = self._dest / adapter_id
@@ -163,20 +172,13 @@ class BareLocal:
                 dst = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 fds += [src, dst]
                 os.ftruncate(dst, size)
-                starts = part_starts(size, self._policy)
-                for start, end in zip(starts, [*starts[1:], size], strict=True):
-                    jobs.append(self._pool.submit(_copy_range, src, dst, start, end))
+                jobs += [self._pool.submit(_copy_range, src, dst, start, end)
+                         for start, end in self._parts(size)]
             for job in jobs:
                 job.result()
         finally:
             for fd in fds:
                 os.close(fd)
-
-    def reset(self, adapter_id: str) -> None:
-        shutil.rmtree(self._dest / adapter_id, ignore_errors=True)
-
-    def close(self) -> None:
-        self._pool.shutdown()
 
 
 def _copy_range(src: int, dst: int, start: int, end: int) -> None:
