@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import errno
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,12 +57,13 @@ SETTLE_LISTINGS_MAX = 30  # an upload that never stops landing is staged as it i
 LISTINGS_MAX = 3  # listings of one stage whose files changed while they were fetched
 # Of a caller's deadline, what is kept to answer 507 rather than 504 when room never freed.
 ROOM_ANSWER_S = 1.0
-# Stages fetching their small files (model.sig, adapter_config.json: at most 1 MiB each) to
-# judge them before any room is made: those bytes come on top of the budget meanwhile.
+# Stages fetching their small files (model.sig, adapter_config.json: at most 1 MiB each) into
+# memory to judge them before any room is made: what that holds in memory at most.
 JUDGE_FIRST_MAX = 4
 
 
 _Fetched = dict[str, tuple[FetchedFile, ValueReport | None]]
+_InMemory = dict[str, tuple[FetchedFile, bytes]]  # files fetched to be judged before room
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,11 +225,15 @@ class Stager:
             size_bytes = sum(f.size_bytes for f in listing.files)
             self._judge_listed_sizes(adapter_id, listing)
             self._store.fits_budget(adapter_id, size_bytes)
+            verdict, judged = await self._judge_first(adapter_id, listing)
             async with self._store.staging(adapter_id) as staging:
-                verdict, got = await self._judge_first(adapter_id, listing, staging.path)
                 await staging.reserve(size_bytes, wait_s=answer_by - time.monotonic())
+                # Written only now, within the room just reserved: the budget holds throughout.
+                await asyncio.to_thread(_write_all, staging.path,
+                                        {name: data for name, (_, data) in judged.items()})
+                first: _Fetched = {name: (file, None) for name, (file, _) in judged.items()}
                 fetched, problems = await self._fetch_and_validate(adapter_id, listing,
-                                                                   staging.path, verdict, got)
+                                                                   staging.path, verdict, first)
                 self._count_signature(verdict, problems)
                 if problems:
                     raise self._refuse(adapter_id, problems, listing)
@@ -335,50 +341,64 @@ class Stager:
                 self._metrics.signature_verifications.labels(outcome="refused").inc()
             raise self._refuse(adapter_id, problems, listing)
 
-    async def _judge_first(self, adapter_id: str, listing: Listing,
-                           staging: Path) -> tuple[SignatureVerdict, _Fetched]:
+    async def _judge_first(self, adapter_id: str,
+                           listing: Listing) -> tuple[SignatureVerdict, _InMemory]:
         """Judge what needs no weights, before any room is made: the signature under the
         signing policy (the signer, and the files its statement lists against the listing)
-        and the adapter config, both fetched first (a few KiB). Returns the verdict and what
-        was fetched."""
+        and the adapter config, both fetched first into memory (their listed sizes are capped:
+        `_judge_listed_sizes`), so nothing lands on disk before room is reserved. Returns the
+        verdict and the files fetched, to be written once room is reserved."""
         rule = self._rules.signing.rule_for(adapter_id)
         checked = rule.mode is not SignatureMode.OFF
         first = [f for f in listing.files
                  if f.name == CONFIG_FILE or (checked and f.name == SIGNATURE_FILE)]
         async with self._judging_first:
-            got = await self._fetch_intact(adapter_id, first, staging)
+            got = await self._fetch_intact(adapter_id, first)
+            signature = got.get(SIGNATURE_FILE)
             verdict = await asyncio.to_thread(
                 check_signature, rule, adapter_id,
-                staging / SIGNATURE_FILE if SIGNATURE_FILE in got else None,
+                signature[1] if signature is not None else None,
                 published_names([f.name for f in listing.files]))
             if verdict.problems:
                 self._count_signature(verdict, list(verdict.problems))
                 raise self._refuse(adapter_id, list(verdict.problems), listing)
             if CONFIG_FILE in got:
-                problems = await asyncio.to_thread(judge_config, staging, self._rules)
+                problems = await asyncio.to_thread(judge_config, got[CONFIG_FILE][1], self._rules)
                 if problems:
                     self._count_signature(verdict, problems)
                     raise self._refuse(adapter_id, problems, listing)
         return verdict, got
 
-    async def _fetch_intact(self, adapter_id: str, files: list[RemoteFile],
-                            staging: Path) -> _Fetched:
-        """Small files fetched until their bytes match the registry's own checksums
+    async def _fetch_intact(self, adapter_id: str, files: list[RemoteFile]) -> _InMemory:
+        """Small files fetched into memory until their bytes match the registry's own checksums
         (FETCH_ATTEMPTS downloads in all, then RegistryTransient, which nothing remembers)."""
-        got: _Fetched = {}
+        got: _InMemory = {}
         for attempt in range(1, FETCH_ATTEMPTS + 1):
-            got = await self._fetch_all(adapter_id, files, staging)
+            got = await self._fetch_into_memory(adapter_id, files)
             faults = [p for name, (fetched, _) in got.items()
                       for p in _checksum_problems(name, fetched)]
             if not faults:
                 return got
-            await asyncio.to_thread(_unlink_all, [staging / f.name for f in files])
             if attempt == FETCH_ATTEMPTS:
                 raise RegistryTransient(
                     f"{faults[0].file} of adapter {adapter_id} did not arrive intact in "
                     f"{FETCH_ATTEMPTS} downloads: {faults[0].message}. Nothing is "
                     "remembered: ask again", adapter_id=adapter_id, cause=faults[0].code)
         return got
+
+    async def _fetch_into_memory(self, adapter_id: str, files: list[RemoteFile]) -> _InMemory:
+        tasks = [asyncio.create_task(self._registry.fetch_bytes(
+            adapter_id, f, self._metrics.download_bytes.inc)) for f in files]
+        try:
+            return {f.name: (fetched, data) for f, (data, fetched)
+                    in zip(files, await asyncio.gather(*tasks), strict=True)}
+        except BaseException as exc:
+            for task in tasks:  # one file failed: stop the others
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if isinstance(exc, SidecarError):
+                self._on_registry_result(exc)
+            raise
 
     def _count_signature(self, verdict: SignatureVerdict, problems: list[Problem]) -> None:
         """Count the signature's verdict (the adapter may be refused for other reasons)."""
@@ -501,6 +521,20 @@ def _checksum_problems(name: str, got: FetchedFile) -> list[Problem]:
         for algorithm, ours, theirs in pairs
         if theirs is not None and ours != theirs
     ]
+
+
+def _write_all(folder: Path, files: dict[str, bytes]) -> None:
+    """Files fetched into memory, written into the staging folder as a download leaves its
+    own: created there, whole, and fsynced."""
+    for name, data in files.items():
+        fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _unlink_all(paths: list[Path]) -> None:

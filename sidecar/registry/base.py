@@ -90,6 +90,13 @@ class AdapterRegistry(Protocol):
         `sha256` asks for their SHA-256 (to check a SHA256SUMS) even if the registry has none."""
         ...
 
+    async def fetch_bytes(
+        self, adapter_id: str, file: RemoteFile, on_bytes: Callable[[int], None],
+    ) -> tuple[bytes, FetchedFile]:
+        """One small file into memory, with its SHA-256 and the same checks as `fetch`: what
+        is judged before room is reserved. The caller bounds its listed size."""
+        ...
+
     async def probe(self) -> None:
         """Raise a SidecarError if the registry cannot be used right now."""
         ...

@@ -7,6 +7,7 @@ nothing outside the root is ever read, symbolic links included.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import stat
@@ -24,7 +25,7 @@ from ..core.fsutil import EntryKind, entry_kind
 from ..core.ids import is_valid_adapter_id
 from .base import Entry, FetchedFile, Listing, RemoteFile, SkippedFolders, is_safe_file_name
 from .checksum import crc32_hex
-from .transfer import Inspector, TransferPolicy, download, open_in_thread
+from .transfer import Inspector, TransferPolicy, download, download_bytes, open_in_thread
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,24 @@ class LocalRegistry:
         self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None],
         *, inspect: Inspector | None = None, sha256: bool = False,
     ) -> FetchedFile:
+        fd = await self._open_listed(adapter_id, file)
+        # The download closes the registry file once no worker thread reads it.
+        digests = await download(functools.partial(_FileRange, fd, file.locator, adapter_id),
+                                 dest, file.size_bytes, self._policy, on_bytes, sha256=sha256,
+                                 inspect=inspect, owned_fds=(fd,))
+        return FetchedFile(crc32_hex(digests.crc32), digests.sha256)
+
+    async def fetch_bytes(
+        self, adapter_id: str, file: RemoteFile, on_bytes: Callable[[int], None],
+    ) -> tuple[bytes, FetchedFile]:
+        fd = await self._open_listed(adapter_id, file)
+        data, digests = await download_bytes(
+            functools.partial(_FileRange, fd, file.locator, adapter_id), file.size_bytes,
+            self._policy, on_bytes, owned_fds=(fd,))
+        return data, FetchedFile(crc32_hex(digests.crc32), digests.sha256)
+
+    async def _open_listed(self, adapter_id: str, file: RemoteFile) -> int:
+        """A descriptor of the file as it was listed (not a link, the same mtime and size)."""
         try:
             fd = await open_in_thread(self._policy.executor, file.locator,
                                       os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -134,20 +153,13 @@ class LocalRegistry:
         except BaseException:
             os.close(fd)
             raise
-
-        def open_range(start: int, end: int) -> _FileRange:
-            return _FileRange(fd, start, end, file.locator, adapter_id)
-
-        # The download closes the registry file once no worker thread reads it.
-        digests = await download(open_range, dest, file.size_bytes, self._policy, on_bytes,
-                                 sha256=sha256, inspect=inspect, owned_fds=(fd,))
-        return FetchedFile(crc32_hex(digests.crc32), digests.sha256)
+        return fd
 
 
 class _FileRange:
     """A range of a registry file, read with pread (position-free, so ranges share the fd)."""
 
-    def __init__(self, fd: int, start: int, end: int, locator: str, adapter_id: str) -> None:
+    def __init__(self, fd: int, locator: str, adapter_id: str, start: int, end: int) -> None:
         self._fd, self._offset, self._end = fd, start, end
         self._locator, self._adapter_id = locator, adapter_id
 

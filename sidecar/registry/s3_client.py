@@ -9,11 +9,11 @@ import asyncio
 import email.utils
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiobotocore.config import AioConfig
@@ -35,9 +35,18 @@ from .checksum import crc32_hex, s3_checksum_hex
 from .httpranges import ConnectionPool, RangeReader
 from .proxies import botocore_proxies
 from .s3errors import NOT_READY_CAUSES, s3_cause
-from .transfer import Digests, Inspector, TransferPolicy, download, part_starts
+from .transfer import (
+    Digests,
+    Inspector,
+    OpenRange,
+    TransferPolicy,
+    download,
+    download_bytes,
+    part_starts,
+)
 
 log = logging.getLogger(__name__)
+_R = TypeVar("_R")
 
 PRESIGNED_URL_TTL_S = 3600  # longer than any one file's download
 _MULTIPART_ETAG = re.compile(r'-[0-9]+"?$')
@@ -172,6 +181,30 @@ class S3Registry:
         self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None],
         *, inspect: Inspector | None = None, sha256: bool = False,
     ) -> FetchedFile:
+        async def to_file(open_range: OpenRange, hashed: asyncio.Future[bool] | bool) -> Digests:
+            return await download(open_range, dest, file.size_bytes, self._policy, on_bytes,
+                                  sha256=hashed, inspect=inspect)
+
+        digests, answer = await self._transfer(adapter_id, file, to_file, sha256=sha256)
+        return _fetched(digests, answer)
+
+    async def fetch_bytes(
+        self, adapter_id: str, file: RemoteFile, on_bytes: Callable[[int], None],
+    ) -> tuple[bytes, FetchedFile]:
+        async def to_memory(open_range: OpenRange,
+                            hashed: asyncio.Future[bool] | bool) -> tuple[bytes, Digests]:
+            return await download_bytes(open_range, file.size_bytes, self._policy, on_bytes)
+
+        (data, digests), answer = await self._transfer(adapter_id, file, to_memory, sha256=True)
+        return data, _fetched(digests, answer)
+
+    async def _transfer(
+        self, adapter_id: str, file: RemoteFile,
+        run: Callable[[OpenRange, asyncio.Future[bool] | bool], Awaitable[_R]], *, sha256: bool,
+    ) -> tuple[_R, dict[str, Any]]:
+        """`run(open_range, hashed)` moves the bytes (to a file or into memory); returns what it
+        returned and the registry's answer that brings its own checksums. `hashed` says whether
+        a SHA-256 is wanted, possibly once the HEAD has answered."""
         # One signature for the ranges of the file, signed again when it grows old or the
         # registry says it expired (short-lived credentials); the ranges are plain HTTP.
         # A file of one GET, hashed anyway, is asked for whole with its checksums: its own
@@ -196,9 +229,8 @@ class S3Registry:
                              f"s3://{self.bucket}/{file.locator}", adapter_id,
                              lambda: self._on_error("get"), whole=whole)
         if whole:
-            digests = await download(reader.open, dest, file.size_bytes, self._policy, on_bytes,
-                                     sha256=True, inspect=inspect)
-            return _fetched(digests, reader.answered)
+            moved = await run(reader.open, True)
+            return moved, dict(reader.answered)
         # The HEAD brings the registry's own checksums, if it keeps any, while the bytes flow;
         # a SHA-256 is computed only when there is one to compare with (CRC-32 always is).
         head_task = asyncio.create_task(self._call(
@@ -215,14 +247,13 @@ class S3Registry:
         head_task.add_done_callback(answer)
         try:
             # Asked for outright, the hash need not wait for the HEAD's answer.
-            digests = await download(reader.open, dest, file.size_bytes, self._policy, on_bytes,
-                                     sha256=True if sha256 else wants_sha256, inspect=inspect)
-            head = await head_task
+            moved = await run(reader.open, True if sha256 else wants_sha256)
+            head: dict[str, Any] = await head_task
         finally:
             if not head_task.done():
                 head_task.cancel()
                 await asyncio.gather(head_task, return_exceptions=True)
-        return _fetched(digests, head)
+        return moved, head
 
     async def _presign(self, adapter_id: str, file: RemoteFile, *, checksums: bool) -> str:
         params = {"Bucket": self.bucket, "Key": file.locator}

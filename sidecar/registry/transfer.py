@@ -1,7 +1,8 @@
-"""Download one object into a pre-sized file: parallel ranged parts written with positional
-writes, a CRC-32 of each part computed from the bytes as they land (combined into the file's),
-SHA-256 in order alongside when asked for, retries per part. An object fetched as one range is
-hashed in the buffer its bytes land in; a larger one is read back in order from the page cache.
+"""Download one object into a pre-sized file (or, a small one, into memory): parallel ranged
+parts written with positional writes, a CRC-32 of each part computed from the bytes as they
+land (combined into the file's), SHA-256 in order alongside when asked for, retries per part.
+An object fetched as one range is hashed in the buffer its bytes land in; a larger one is read
+back in order from the page cache.
 
 Knows nothing of S3: the registry hands in `open_range`, which opens one ranged read. The bytes
 move in worker threads (socket -> buffer -> file, the GIL released in each system call), so
@@ -49,6 +50,10 @@ class RangeStream(Protocol):
         error); `close()` still follows once no thread reads."""
         ...
 
+
+Write = Callable[[memoryview, int], None]
+"""write(chunk, offset), from a worker thread: the chunk's bytes put at their offset (a file's
+positional write, or a buffer in memory)."""
 
 OpenRange = Callable[[int, int], RangeStream]
 """open_range(start, end) starts reading the object's bytes [start, end); blocking, run in a
@@ -130,6 +135,13 @@ class _Progress:
     def advance(self, part: int, offset: int) -> None:
         self.done_upto[part] = offset
         self.changed.set()
+
+    def whole_crc32(self) -> int:
+        """The object's CRC-32, combined from its parts' once every part is done."""
+        crc = self.crc32[0]
+        for part in range(1, len(self.starts)):
+            crc = crc32_combine(crc, self.crc32[part], self.ends[part] - self.starts[part])
+        return crc
 
     def contiguous_end(self) -> int:
         """Offset below which every byte is written."""
@@ -267,9 +279,10 @@ async def download(
         hasher = asyncio.create_task(
             _hash_if_wanted(sha256, dest, size_bytes, progress, threads))
         tasks.append(hasher)
+        write = functools.partial(_write_at, fd)
         parts = [
             asyncio.create_task(
-                _fetch_part(open_range, fd, i, progress, policy, threads, on_bytes, inspect)
+                _fetch_part(open_range, write, i, progress, policy, threads, on_bytes, inspect)
             )
             for i in range(len(progress.starts))
         ]
@@ -279,11 +292,7 @@ async def download(
         if progress.inband is not None:
             digest = progress.inband.hexdigest()
         await threads.run(os.fsync, fd)
-        crc = progress.crc32[0]
-        for part in range(1, len(progress.starts)):
-            length = progress.ends[part] - progress.starts[part]
-            crc = crc32_combine(crc, progress.crc32[part], length)
-        return Digests(crc, digest)
+        return Digests(progress.whole_crc32(), digest)
     finally:
         for task in tasks:
             task.cancel()
@@ -295,6 +304,58 @@ async def download(
         finally:
             for owned in (fd, *owned_fds):
                 threads.close_when_idle(owned)
+
+
+async def download_bytes(
+    open_range: OpenRange,
+    size_bytes: int,
+    policy: TransferPolicy,
+    on_bytes: Callable[[int], None] = lambda _: None,
+    *,
+    owned_fds: tuple[int, ...] = (),
+) -> tuple[bytes, Digests]:
+    """The object into memory, with its CRC-32 and SHA-256: the same ranged parts, retries and
+    checks as `download`, nothing written to disk. For the few small files judged before room
+    is reserved; the caller bounds `size_bytes` (it is allocated at once)."""
+    threads = _Threads(policy.executor)
+    buffer = bytearray(size_bytes)
+    progress = _Progress(size_bytes, part_starts(size_bytes, policy))
+    if len(progress.starts) == 1:
+        progress.inband = hashlib.sha256()
+    write = functools.partial(_put, memoryview(buffer))
+    parts = [
+        asyncio.create_task(
+            _fetch_part(open_range, write, i, progress, policy, threads, on_bytes, None))
+        for i in range(len(progress.starts))
+    ]
+    try:
+        await asyncio.gather(*parts)
+        if progress.inband is not None:
+            digest = progress.inband.hexdigest()
+        else:
+            digest = await threads.run(_sha256_hex, buffer)
+        return bytes(buffer), Digests(progress.whole_crc32(), digest)
+    finally:
+        for task in parts:
+            task.cancel()
+        try:
+            await asyncio.gather(*parts, return_exceptions=True)
+            await threads.drain()
+        finally:
+            for owned in owned_fds:
+                threads.close_when_idle(owned)
+
+
+def _put(buffer: memoryview, chunk: memoryview, offset: int) -> None:
+    buffer[offset:offset + len(chunk)] = chunk
+
+
+def _sha256_hex(data: bytearray) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write_at(fd: int, chunk: memoryview, offset: int) -> None:
+    _pwrite_all(fd, [chunk], offset)
 
 
 def _open_presized(dest: Path, size_bytes: int) -> int:
@@ -316,7 +377,7 @@ def _open_presized(dest: Path, size_bytes: int) -> int:
 
 async def _fetch_part(
     open_range: OpenRange,
-    fd: int,
+    write: Write,
     part: int,
     progress: _Progress,
     policy: TransferPolicy,
@@ -330,7 +391,7 @@ async def _fetch_part(
         attempt += 1
         try:
             async with policy.limiter:
-                await _stream_part(open_range, fd, part, progress, threads, on_bytes, inspect)
+                await _stream_part(open_range, write, part, progress, threads, on_bytes, inspect)
         except RegistryUnavailable as exc:
             if attempt >= policy.attempts or not exc.retryable:
                 raise
@@ -342,7 +403,7 @@ async def _fetch_part(
 
 async def _stream_part(
     open_range: OpenRange,
-    fd: int,
+    write: Write,
     part: int,
     progress: _Progress,
     threads: _Threads,
@@ -368,7 +429,7 @@ async def _stream_part(
     try:
         look = inspect.stream(offset) if inspect is not None else None
         copy = threads.submit(
-            _copy_range, stream, fd, offset, end, progress.crc32[part], report, look,
+            _copy_range, stream, write, offset, end, progress.crc32[part], report, look,
             progress.inband,
         )
         reached, crc, error = await asyncio.wrap_future(copy)
@@ -392,11 +453,11 @@ async def _stream_part(
 
 
 def _copy_range(
-    stream: RangeStream, fd: int, offset: int, end: int, crc: int,
+    stream: RangeStream, write: Write, offset: int, end: int, crc: int,
     report: Callable[[int, int, int], None], look: Callable[[int, memoryview], None] | None,
     digest: hashlib._Hash | None = None,
 ) -> tuple[int, int, SidecarError | None]:
-    """Worker thread: copy [offset, end) from the stream to the file a buffer at a time,
+    """Worker thread: copy [offset, end) from the stream to its destination a buffer at a time,
     with a running CRC-32 (and `digest` fed, when given), handing each chunk to `look` last
     (it may overwrite the buffer).
     Returns how far it got, the CRC of the part up to there, and the fault that stopped it
@@ -417,7 +478,7 @@ def _copy_range(
             error = exc
         if got:
             chunk = view[:got]
-            _pwrite_all(fd, [chunk], offset)
+            write(chunk, offset)
             crc = crc32(chunk, crc)
             if digest is not None:
                 digest.update(chunk)

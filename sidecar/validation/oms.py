@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import stat
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from cryptography import exceptions, x509
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -35,11 +35,12 @@ _COMPAT_NAME = "compat-undefined-not-present"
 Verified = tuple[str, str, str, Mapping[str, str]]
 
 
-def verify(rule: Rule, signature: Path, now: datetime.datetime) -> Verified | Problem:
-    """Verify `signature` with the signers `rule` allows and read the statement it signs."""
+def verify(rule: Rule, signature: bytes, now: datetime.datetime) -> Verified | Problem:
+    """Verify `signature` (the bytes of a model.sig) with the signers `rule` allows and read
+    the statement it signs."""
     try:
-        parsed = _read_signature(signature)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        parsed = _parse_signature(signature)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return Problem("signature_malformed", SIGNATURE_FILE,
                        f"not an OMS signature (a Sigstore bundle): {shown(str(exc))}")
     material = parsed.bundle.verification_material
@@ -62,17 +63,21 @@ def verify(rule: Rule, signature: Path, now: datetime.datetime) -> Verified | Pr
     return signer, identity, statement.model_name, _digests(statement)
 
 
-def _read_signature(path: Path) -> sign_sigstore_pb.Signature:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError("not a regular file")
-        if info.st_size > SIGNATURE_MAX_BYTES:
-            raise ValueError(f"larger than {SIGNATURE_MAX_BYTES} bytes")
-    finally:
-        os.close(fd)
-    return sign_sigstore_pb.Signature.read(path)
+def _parse_signature(data: bytes) -> sign_sigstore_pb.Signature:
+    if len(data) > SIGNATURE_MAX_BYTES:
+        raise ValueError(f"larger than {SIGNATURE_MAX_BYTES} bytes")
+    # model_signing parses a bundle only from a path (its read_text): hand it the bytes read.
+    return sign_sigstore_pb.Signature.read(cast(Path, _SignatureText(data)))
+
+
+@dataclass(frozen=True, slots=True)
+class _SignatureText:
+    """A model.sig already in memory, as the one method of a path model_signing reads."""
+
+    data: bytes
+
+    def read_text(self, encoding: str = "utf-8") -> str:
+        return self.data.decode(encoding)  # UnicodeDecodeError: a ValueError, malformed
 
 
 # ---- the cryptography: model_signing's verifiers, given keys and roots already loaded --------

@@ -8,12 +8,13 @@ extra. Blocking: use threads.
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..core.filehash import hash_file
-from .files import SIGNATURE_FILE, FileRole, classify, plan_folder
+from ..core.filehash import hash_file, open_regular
+from .files import SIGNATURE_FILE, SIGNATURE_MAX_BYTES, FileRole, classify, plan_folder
 from .problem import Problem
 from .safetensors_check import shown
 from .signing_policy import Rule, SignatureMode
@@ -67,12 +68,13 @@ def _published(name: str) -> bool:
 # ---- before the download: the envelope, the signer, the list of files ------------------------
 
 
-def check_signature(rule: Rule, adapter_id: str, signature: Path | None,
+def check_signature(rule: Rule, adapter_id: str, signature: bytes | None,
                     files: Collection[str], *,
                     now: datetime.datetime | None = None) -> SignatureVerdict:
-    """Verify `signature` (model.sig, or None when the adapter has none) under `rule`, and that
-    its statement lists exactly `files` (the names to publish, without model.sig). The digests
-    are compared later, with `check_digests`, once the download has computed them."""
+    """Verify `signature` (the bytes of model.sig, or None when the adapter has none) under
+    `rule`, and that its statement lists exactly `files` (the names to publish, without
+    model.sig). The digests are compared later, with `check_digests`, once the download has
+    computed them."""
     if rule.mode is SignatureMode.OFF:
         return SignatureVerdict(rule)
     if signature is None:
@@ -127,7 +129,11 @@ def verify_folder(folder: Path, adapter_id: str, rule: Rule,
     except OSError as exc:
         return _refused(rule, Problem("read_error", "", f"cannot read the folder: "
                                       f"{shown(str(exc))}"))
-    signature = folder / SIGNATURE_FILE if SIGNATURE_FILE in names else None
+    try:
+        signature = _read_signature(folder / SIGNATURE_FILE) if SIGNATURE_FILE in names else None
+    except OSError as exc:
+        return _refused(rule, Problem("signature_malformed", SIGNATURE_FILE,
+                                      f"cannot read it: {shown(str(exc))}"))
     verdict = check_signature(rule, adapter_id, signature, published_names(names), now=now)
     if digests is None and verdict.signed is not None:
         digests = {}
@@ -138,6 +144,13 @@ def verify_folder(folder: Path, adapter_id: str, rule: Rule,
                 problem = Problem("read_error", name, f"cannot read it: {shown(str(exc))}")
                 return replace(verdict, problems=(*verdict.problems, problem))
     return check_digests(verdict, adapter_id, digests or {})
+
+
+def _read_signature(path: Path) -> bytes:
+    """A model.sig's bytes, not followed through a link; one over SIGNATURE_MAX_BYTES is read
+    only that far and refused by the check."""
+    with os.fdopen(open_regular(path), "rb", buffering=0) as f:
+        return f.read(SIGNATURE_MAX_BYTES + 1)
 
 
 def _refused(rule: Rule, problem: Problem) -> SignatureVerdict:

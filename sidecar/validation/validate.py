@@ -172,13 +172,10 @@ def listed_size_problems(sizes: Mapping[str, int], *, signature_checked: bool) -
     return problems
 
 
-def judge_config(folder: Path, rules: Rules) -> list[Problem]:
-    """The problems of `folder`'s adapter_config.json alone: judged before the weights are
-    downloaded, so an adapter its config refuses costs no room."""
-    try:
-        return _check_config(folder, rules)[0]
-    except OSError as exc:
-        return [_read_error(CONFIG_FILE, exc)]
+def judge_config(data: bytes, rules: Rules) -> list[Problem]:
+    """The problems of an adapter_config.json alone, from its bytes: judged in memory before
+    room is reserved, so an adapter its config refuses costs no room and no disk."""
+    return _config_problems(data, rules)[0]
 
 
 def _read_error(file: str, exc: OSError) -> Problem:
@@ -229,8 +226,13 @@ def _read_capped(path: Path, limit_bytes: int) -> bytes | None:
 
 
 def _check_config(folder: Path, rules: Rules) -> tuple[list[Problem], LoraConfig | None]:
-    data = _read_capped(folder / CONFIG_FILE, CONFIG_MAX_BYTES)
-    if data is None:
+    return _config_problems(_read_capped(folder / CONFIG_FILE, CONFIG_MAX_BYTES), rules)
+
+
+def _config_problems(data: bytes | None,
+                     rules: Rules) -> tuple[list[Problem], LoraConfig | None]:
+    """The config's problems from its bytes (None: it was larger than the cap, left unread)."""
+    if data is None or len(data) > CONFIG_MAX_BYTES:
         return [Problem("config_too_large", CONFIG_FILE,
                         f"larger than {CONFIG_MAX_BYTES} bytes")], None
     faults, config = check_adapter_config(

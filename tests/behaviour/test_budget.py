@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from pathlib import Path
 
 import aiohttp
+from aiohttp import web
 
+from sidecar.cache.stager import JUDGE_FIRST_MAX
 from sidecar.process.app import Sidecar
 from tests.support.api import StartSidecar, call, readiness, stage_ok
+from tests.support.cache_checks import budget_bytes
 from tests.support.s3 import S3Registry
-from tests.support.s3proxy import drop_connection
+from tests.support.s3proxy import Seen, drop_connection, is_object_get
 from tests.support.settings import local_registry_adapter, make_settings, s3_settings
 from tests.support.waiting import eventually
 
@@ -294,3 +298,62 @@ async def test_thirty_leased_stages_with_room_for_five_wait_their_turn_and_none_
     assert [(i, a) for i, a in zip(ids, answers, strict=True) if a[0] != 200] == []
     assert sidecar.store.waiting_for_room == 0
     assert len(cached_ids(tmp_path)) <= 5
+
+
+async def test_stages_judging_new_adapters_at_once_never_put_the_cache_over_its_budget(
+    tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    # The cache holds exactly its budget; as many new adapters as may be judged at once are
+    # staged together, their configs' GETs held at the registry so that all are being judged
+    # at the same moment. The bytes under the cache root never exceed the budget: the files
+    # judged before room is reserved are held in memory, written only within the room.
+    cached = [f"full-{n}" for n in range(JUDGE_FIRST_MAX)]
+    new = [f"new-{n}" for n in range(JUDGE_FIRST_MAX)]
+    sizes = {adapter_id: sum(len(data) for data in s3.put_adapter(
+        adapter_id, seed=n, rank=4).values()) for n, adapter_id in enumerate(cached + new)}
+    budget = sum(sizes[adapter_id] for adapter_id in cached)
+    assert all(sizes[adapter_id] <= budget for adapter_id in new)
+    sidecar = await start_sidecar(s3_settings(tmp_path, s3, max_bytes=budget))
+    root = sidecar.store.root
+    for adapter_id in cached:
+        await stage_ok(http, sidecar, adapter_id, lease=False)
+    await sidecar.store.settle_trash()
+    assert budget_bytes(root) == budget  # exactly full: every new adapter needs an eviction
+
+    held: list[Seen] = []
+
+    async def hold_config_gets(request: web.Request, seen: Seen) -> web.StreamResponse | None:
+        if is_object_get(seen) and seen.path.endswith("/adapter_config.json"):
+            held.append(seen)
+            await s3.proxy.stall()  # until the test has looked at the disk
+        return None
+
+    samples: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.002):  # a sample every few ms, as a disk sampler takes them
+            samples.append(budget_bytes(root))
+
+    sampler = threading.Thread(target=sample, name="budget-sampler")
+    s3.proxy.fault = hold_config_gets
+    sampler.start()
+    try:
+        stages = [asyncio.create_task(call(http, "POST", f"{sidecar.url}/stage",
+                                           {"adapter_id": adapter_id, "lease": False}))
+                  for adapter_id in new]
+        await eventually(lambda: len(held) == len(new), timeout_s=30,
+                         what=lambda: f"config GETs held: {held}")
+        judging = budget_bytes(root)
+        s3.proxy.fault = None
+        s3.proxy.release_stalls()
+        answers = await asyncio.gather(*stages)
+    finally:
+        stop.set()
+        sampler.join()
+        s3.proxy.release_stalls()
+
+    assert judging <= budget, f"{judging - budget} bytes over the budget while judging"
+    assert [status for status, _ in answers] == [200] * len(new), answers
+    assert samples and max(samples) <= budget, (max(samples) - budget, len(samples))
+    assert cached_ids(tmp_path) == set(new)

@@ -141,6 +141,8 @@ async def test_an_adapter_refused_without_its_weights_evicts_and_deletes_nothing
         assert evictions(sidecar) == evicted_before, adapter_id
         assert volume(sidecar) == before, adapter_id
         assert s3.proxy.gets(s3.key(adapter_id, WEIGHTS)) == [], adapter_id
+    # Refused from their listed sizes: never fetched, not even into memory.
     assert s3.proxy.gets(s3.key("intruder-huge-sig", "model.sig")) == []
+    assert s3.proxy.gets(s3.key("intruder-config", "adapter_config.json")) == []
     for adapter_id in TENANTS:  # still hits
         assert (await stage_ok(http, sidecar, adapter_id, lease=False))["cached"] is True

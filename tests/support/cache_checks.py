@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,6 +31,29 @@ class CacheState:
 def folder_bytes(folder: Path) -> dict[str, bytes]:
     """The files of an adapter folder, without the sidecar's record."""
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != RECORD_NAME}
+
+
+BUDGET_DIRS = ("adapters", ".staging", ".trash")  # what --max-bytes bounds
+
+
+def budget_bytes(cache_root: Path) -> int:
+    """The bytes --max-bytes bounds, as `du` would count them apart from the sidecar's own
+    files: every adapter file under adapters/, .staging/ and .trash/ (published, being staged,
+    being deleted), a hard-linked file once, the records aside. Safe to call while the
+    sidecar works: a file deleted meanwhile is not counted."""
+    total = 0
+    seen: set[int] = set()
+    for name in BUDGET_DIRS:
+        for folder, _dirs, files in os.walk(cache_root / name):
+            for file in files:
+                try:
+                    st = os.lstat(os.path.join(folder, file))
+                except OSError:
+                    continue  # deleted while walking
+                if st.st_ino not in seen and not file.startswith(RECORD_NAME):
+                    seen.add(st.st_ino)
+                    total += st.st_size
+    return total
 
 
 def leftovers(cache_root: Path) -> list[str]:

@@ -248,3 +248,49 @@ async def test_a_multipart_uploads_composite_checksum_is_not_taken_for_the_files
 
     assert status == 200, body
     assert record_of(body)[WEIGHTS]["crc32"] == f"{zlib.crc32(weights):08x}"
+
+
+def config_get(seen: Seen) -> bool:
+    return (seen.method == "GET" and seen.path.endswith("adapter_config.json")
+            and "list-type" not in seen.query)
+
+
+@pytest.mark.parametrize("algorithm", ["CRC32", "SHA256"])
+async def test_a_bit_flipped_in_the_config_judged_in_memory_is_caught_and_fetched_again(
+    tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
+    algorithm: str,
+) -> None:
+    # The config is fetched into memory and judged before room is reserved: its bytes are
+    # checked against the registry's checksum there, as a file's are on disk.
+    adapter_id = f"{algorithm.lower()}-config-flip"
+    files = upload(s3, tmp_path, adapter_id, algorithm)
+    s3.proxy.body_faults.append(BodyFault(config_get, after_bytes=20, mode="flip"))
+    sidecar = await start_sidecar(s3_settings(tmp_path, s3))
+
+    status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": adapter_id})
+
+    assert status == 200, body
+    assert len(s3.proxy.gets(s3.key(adapter_id, "adapter_config.json"))) == 2
+    staged = Path(str(body["local_path"])) / "adapter_config.json"
+    assert staged.read_bytes() == files["adapter_config.json"]
+    recorded = record_of(body)["adapter_config.json"]
+    assert recorded["crc32"] == f"{zlib.crc32(files['adapter_config.json']):08x}"
+    assert recorded["sha256"] == hashlib.sha256(files["adapter_config.json"]).hexdigest()
+
+
+async def test_a_config_corrupted_on_every_download_is_a_503_that_leaves_nothing_on_disk(
+    tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
+) -> None:
+    adapter_id = "config-flip-always"
+    upload(s3, tmp_path, adapter_id, "CRC32")
+    s3.proxy.body_faults.append(BodyFault(config_get, after_bytes=20, mode="flip", times=1000))
+    sidecar = await start_sidecar(s3_settings(tmp_path, s3, refusal_ttl_s=3600.0))
+
+    status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": adapter_id})
+
+    assert status == 503, body
+    assert body["error"] == "registry_transient" and body["cause"] == "checksum_mismatch"
+    assert len(s3.proxy.gets(s3.key(adapter_id, "adapter_config.json"))) == 3
+    assert s3.proxy.gets(s3.key(adapter_id, WEIGHTS)) == []  # refused before any room
+    assert list((tmp_path / "cache" / ".staging").iterdir()) == []
+    assert list((tmp_path / "cache" / "adapters").iterdir()) == []

@@ -1,5 +1,6 @@
-"""transfer.py's pure parts: how an object is cut into ranged GETs, and positional writes that
-land every byte at its offset even when the kernel takes fewer bytes than offered."""
+"""transfer.py's pure parts: how an object is cut into ranged GETs, positional writes that
+land every byte at its offset even when the kernel takes fewer bytes than offered, and a small
+object downloaded into memory."""
 
 from __future__ import annotations
 
@@ -342,3 +343,35 @@ async def test_the_sha256_is_of_every_byte_in_order_across_a_retry(
     assert got.sha256 == hashlib.sha256(data).hexdigest()
     assert got.crc32 == zlib.crc32(data)
     assert (tmp_path / "f").read_bytes() == data
+
+
+@pytest.mark.parametrize("part_size", [8 << 20, 150_000], ids=["one range", "two ranges"])
+async def test_a_download_into_memory_has_every_byte_and_its_checksums_across_a_retry(
+    tmp_path: Path, part_size: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_BreaksOnce, "broken", False)
+    monkeypatch.setattr(transfer, "backoff_s", lambda attempt: 0.0)
+    monkeypatch.chdir(tmp_path)
+    data = os.urandom(300_000)
+    policy = transfer.TransferPolicy(part_size, 3, asyncio.Semaphore(2), 2)
+    got, digests = await transfer.download_bytes(
+        lambda start, end: _BreaksOnce(data, start, end), len(data), policy)
+    assert _BreaksOnce.broken
+    assert got == data
+    assert digests.sha256 == hashlib.sha256(data).hexdigest()
+    assert digests.crc32 == zlib.crc32(data)
+    assert os.listdir(tmp_path) == []  # nothing written anywhere
+
+
+async def test_a_download_into_memory_closes_the_descriptors_it_was_handed(
+    tmp_path: Path,
+) -> None:
+    source = tmp_path / "empty"
+    source.write_bytes(b"")
+    fd = os.open(source, os.O_RDONLY)
+    policy = transfer.TransferPolicy(8 << 20, 1, asyncio.Semaphore(1), 1)
+    got, digests = await transfer.download_bytes(
+        lambda start, end: _BytesRange(b"", start, end), 0, policy, owned_fds=(fd,))
+    assert (got, digests.crc32, digests.sha256) == (b"", 0, hashlib.sha256().hexdigest())
+    await eventually(lambda: not _open_to(source), timeout_s=5, poll_s=0.01,
+                     what="the handed descriptor closed")

@@ -401,7 +401,8 @@ def test_check_signature_before_download_compares_only_the_list_of_files(
     policy = load(key_policy(tmp_path, key))
 
     verdict = check_signature(policy.rule_for("acme-support-v1"), "acme-support-v1",
-                              signed / "model.sig", {"adapter_config.json", WEIGHTS, "SHA256SUMS"})
+                              (signed / "model.sig").read_bytes(),
+                              {"adapter_config.json", WEIGHTS, "SHA256SUMS"})
 
     assert codes(verdict) == ["unsigned_file"]
 
