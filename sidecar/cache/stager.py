@@ -5,15 +5,17 @@ caller of that id awaits the same task, and leases the adapter once it is publis
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import errno
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..core.bytelimit import ByteLimit, Held
 from ..core.errors import (
     AdapterNotFound,
     CacheFull,
@@ -30,7 +32,13 @@ from ..core.ids import check_adapter_id
 from ..core.logs import fields
 from ..core.metrics import Metrics
 from ..registry.base import AdapterRegistry, FetchedFile, Listing, RemoteFile
-from ..validation.files import CONFIG_FILE, SIGNATURE_FILE, WEIGHTS_FILE, plan_files
+from ..validation.files import (
+    CONFIG_FILE,
+    SIGNATURE_FILE,
+    SIGNATURE_MAX_BYTES,
+    WEIGHTS_FILE,
+    plan_files,
+)
 from ..validation.problem import Problem
 from ..validation.signatures import (
     SIGNATURE_CODES,
@@ -39,8 +47,14 @@ from ..validation.signatures import (
     check_signature,
     published_names,
 )
-from ..validation.signing_policy import SignatureMode
-from ..validation.validate import Rules, judge_config, listed_size_problems, validate_adapter
+from ..validation.signing_policy import Rule, SignatureMode
+from ..validation.validate import (
+    CONFIG_MAX_BYTES,
+    Rules,
+    judge_config,
+    listed_size_problems,
+    validate_adapter,
+)
 from ..validation.values import ValueReport, ValueScan, finish_scan
 from .admission import Passed, admit_staged
 from .leases import Lease
@@ -57,13 +71,35 @@ SETTLE_LISTINGS_MAX = 30  # an upload that never stops landing is staged as it i
 LISTINGS_MAX = 3  # listings of one stage whose files changed while they were fetched
 # Of a caller's deadline, what is kept to answer 507 rather than 504 when room never freed.
 ROOM_ANSWER_S = 1.0
-# Stages fetching their small files (model.sig, adapter_config.json: at most 1 MiB each) into
-# memory to judge them before any room is made: what that holds in memory at most.
+# Stages fetching their small files (model.sig, adapter_config.json) into memory to judge them
+# before any room is made, at once.
 JUDGE_FIRST_MAX = 4
+# What those files hold in memory at most, stages judging them and stages waiting for room
+# with them included: they are written to disk only once room is reserved.
+JUDGED_MAX_BYTES = JUDGE_FIRST_MAX * (CONFIG_MAX_BYTES + SIGNATURE_MAX_BYTES)
 
 
 _Fetched = dict[str, tuple[FetchedFile, ValueReport | None]]
 _InMemory = dict[str, tuple[FetchedFile, bytes]]  # files fetched to be judged before room
+
+
+class _Judged:
+    """The verdict on what needs no weights, and the files it read, held in memory until they
+    are written into the stage's folder."""
+
+    def __init__(self, verdict: SignatureVerdict, files: _InMemory, held: Held) -> None:
+        self.verdict = verdict
+        self._files = files
+        self._held = held
+
+    async def write_into(self, folder: Path) -> _Fetched:
+        """Write the files into `folder` (fsynced) and let go of their bytes."""
+        files = dict(self._files)
+        self._files.clear()  # the only other reference to the bytes
+        await asyncio.to_thread(_write_all, folder,
+                                {name: data for name, (_, data) in files.items()})
+        self._held.release()
+        return {name: (fetched, None) for name, (fetched, _) in files.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +133,7 @@ class Stager:
         self._refusals = Refusals(metrics, refusal_ttl_s=refusal_ttl_s,
                                   not_found_ttl_s=not_found_ttl_s)
         self._judging_first = asyncio.Semaphore(JUDGE_FIRST_MAX)
+        self._judged_bytes = ByteLimit(JUDGED_MAX_BYTES)
         self._skew_logged = False
         # Children bound once: a labels() lookup per request shows on the hit path.
         results = ("hit", "miss", "error")
@@ -225,13 +262,12 @@ class Stager:
             size_bytes = sum(f.size_bytes for f in listing.files)
             self._judge_listed_sizes(adapter_id, listing)
             self._store.fits_budget(adapter_id, size_bytes)
-            verdict, judged = await self._judge_first(adapter_id, listing)
-            async with self._store.staging(adapter_id) as staging:
+            async with (self._judge_first(adapter_id, listing) as judged,
+                        self._store.staging(adapter_id) as staging):
                 await staging.reserve(size_bytes, wait_s=answer_by - time.monotonic())
                 # Written only now, within the room just reserved: the budget holds throughout.
-                await asyncio.to_thread(_write_all, staging.path,
-                                        {name: data for name, (_, data) in judged.items()})
-                first: _Fetched = {name: (file, None) for name, (file, _) in judged.items()}
+                first = await judged.write_into(staging.path)
+                verdict = judged.verdict
                 fetched, problems = await self._fetch_and_validate(adapter_id, listing,
                                                                    staging.path, verdict, first)
                 self._count_signature(verdict, problems)
@@ -341,32 +377,38 @@ class Stager:
                 self._metrics.signature_verifications.labels(outcome="refused").inc()
             raise self._refuse(adapter_id, problems, listing)
 
-    async def _judge_first(self, adapter_id: str,
-                           listing: Listing) -> tuple[SignatureVerdict, _InMemory]:
+    @contextlib.asynccontextmanager
+    async def _judge_first(self, adapter_id: str, listing: Listing) -> AsyncIterator[_Judged]:
         """Judge what needs no weights, before any room is made: the signature under the
         signing policy (the signer, and the files its statement lists against the listing)
         and the adapter config, both fetched first into memory (their listed sizes are capped:
-        `_judge_listed_sizes`), so nothing lands on disk before room is reserved. Returns the
-        verdict and the files fetched, to be written once room is reserved."""
+        `_judge_listed_sizes`), so nothing lands on disk before room is reserved. Yields the
+        verdict and those files, held in memory (within JUDGED_MAX_BYTES, for every stage)
+        until they are written or the block ends."""
         rule = self._rules.signing.rule_for(adapter_id)
         checked = rule.mode is not SignatureMode.OFF
         first = [f for f in listing.files
                  if f.name == CONFIG_FILE or (checked and f.name == SIGNATURE_FILE)]
-        async with self._judging_first:
-            got = await self._fetch_intact(adapter_id, first)
-            signature = got.get(SIGNATURE_FILE)
-            verdict = await asyncio.to_thread(
-                check_signature, rule, adapter_id,
-                signature[1] if signature is not None else None,
-                published_names([f.name for f in listing.files]))
-            if verdict.problems:
-                self._count_signature(verdict, list(verdict.problems))
-                raise self._refuse(adapter_id, list(verdict.problems), listing)
-            if CONFIG_FILE in got:
-                problems = await asyncio.to_thread(judge_config, got[CONFIG_FILE][1], self._rules)
-                if problems:
-                    self._count_signature(verdict, problems)
-                    raise self._refuse(adapter_id, problems, listing)
+        async with self._judged_bytes.hold(sum(f.size_bytes for f in first)) as held:
+            async with self._judging_first:
+                verdict, got = await self._judge_fetched(adapter_id, listing, rule, first)
+            yield _Judged(verdict, got, held)
+
+    async def _judge_fetched(self, adapter_id: str, listing: Listing, rule: Rule,
+                             first: list[RemoteFile]) -> tuple[SignatureVerdict, _InMemory]:
+        got = await self._fetch_intact(adapter_id, first)
+        signature = got.get(SIGNATURE_FILE)
+        verdict = await asyncio.to_thread(
+            check_signature, rule, adapter_id, signature[1] if signature is not None else None,
+            published_names([f.name for f in listing.files]))
+        if verdict.problems:
+            self._count_signature(verdict, list(verdict.problems))
+            raise self._refuse(adapter_id, list(verdict.problems), listing)
+        if CONFIG_FILE in got:
+            problems = await asyncio.to_thread(judge_config, got[CONFIG_FILE][1], self._rules)
+            if problems:
+                self._count_signature(verdict, problems)
+                raise self._refuse(adapter_id, problems, listing)
         return verdict, got
 
     async def _fetch_intact(self, adapter_id: str, files: list[RemoteFile]) -> _InMemory:
