@@ -318,8 +318,9 @@ async def test_hundreds_of_clients_racing_stage_release_evict_pin_unpin_keep_eve
     assert stage_requests == world.stage_calls
 
     # Downloads: the weights exactly once per stay in the cache, counted at the S3 server. The
-    # config is fetched to judge the adapter before any room is held, so a stage that then
-    # waited for room past its deadline (507) fetched it once more, and nothing else did.
+    # config is fetched into memory to judge the adapter before any room is held, so a stage
+    # that then waited for room past its deadline (507) fetched it once more, and nothing
+    # else did.
     events = sidecar_events(process.log_text())
     history: dict[str, list[str]] = defaultdict(list)
     evictions_by_reason: Counter[str] = Counter()
