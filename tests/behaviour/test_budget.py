@@ -345,6 +345,7 @@ async def test_stages_judging_new_adapters_at_once_never_put_the_cache_over_its_
         await eventually(lambda: len(held) == len(new), timeout_s=30,
                          what=lambda: f"config GETs held: {held}")
         judging = budget_bytes(root)
+        staging_while_judging = os.listdir(root / ".staging")
         s3.proxy.fault = None
         s3.proxy.release_stalls()
         answers = await asyncio.gather(*stages)
@@ -354,6 +355,7 @@ async def test_stages_judging_new_adapters_at_once_never_put_the_cache_over_its_
         s3.proxy.release_stalls()
 
     assert judging <= budget, f"{judging - budget} bytes over the budget while judging"
+    assert staging_while_judging == []  # not even a folder before room is reserved
     assert [status for status, _ in answers] == [200] * len(new), answers
     assert samples and max(samples) <= budget, (max(samples) - budget, len(samples))
     assert cached_ids(tmp_path) == set(new)

@@ -265,6 +265,41 @@ async def test_an_object_changed_after_listing_is_listed_again_and_the_new_one_s
     assert_clean(settings, {"moving": newer})
 
 
+async def test_a_config_replaced_after_listing_is_caught_by_its_etag_before_it_is_judged(
+    tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
+) -> None:
+    """The config is fetched into memory to be judged before room is reserved, with the same
+    If-Match as every GET: a re-upload landing just then is listed again and staged whole."""
+    s3.put_adapter("moving-config", seed=7, rank=4)
+    newer = s3.put_adapter("moving-config-next", seed=8, rank=8)
+    assert newer["adapter_config.json"] != s3.client.get_object(
+        Bucket=s3.bucket, Key=s3.key("moving-config", "adapter_config.json"))["Body"].read()
+    replaced = False
+    listings = 0
+
+    async def replace_then_forward(request: web.Request, seen: Seen) -> None:
+        nonlocal replaced, listings
+        listings += listing_of("moving-config")(seen)
+        if not replaced and is_object_get(seen) and seen.path.endswith(
+                "/moving-config/adapter_config.json"):
+            replaced = True
+            for name, data in newer.items():
+                await asyncio.to_thread(s3.put_object, s3.key("moving-config", name), data)
+        return None
+
+    s3.proxy.fault = replace_then_forward
+    settings = s3_settings(tmp_path, s3)
+    sidecar = await start_sidecar(settings)
+
+    status, body = await stage(http, sidecar.url, "moving-config")
+
+    assert replaced
+    assert status == 200, body
+    assert listings >= 2  # listed again: the old config's GET was refused by its ETag
+    assert folder_bytes(Path(body["local_path"])) == newer
+    assert_clean(settings, {"moving-config": newer})
+
+
 async def test_an_object_that_changes_on_every_fetch_is_refused_after_three_listings(
     tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
 ) -> None:
