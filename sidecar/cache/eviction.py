@@ -20,8 +20,9 @@ from .lru import CachedAdapter, LruIndex, eviction_order
 IsProtected = Callable[[str], bool]
 
 # Counts are halved every AGING x (adapters on disk) requests: chosen by benchmarks/policy.py
-# (its README section says why).
-AGING = 15
+# (its README section says why: with the two rules below to follow a shift, slower aging keeps
+# the counts of stationary traffic long enough to rank the adapters near the edge of the room).
+AGING = 40
 # Aged LFU takes a cached adapter's count as out of date once it goes unasked STALE times as
 # long as that count predicts (a count c per aging period: one request every period / c);
 # measured in benchmarks/policy.py (hot sets replaced every 500 requests: +0.02 of Belady;
@@ -33,7 +34,7 @@ STALE = 4
 # for most lately, win their place before their counts have grown; measured in
 # benchmarks/policy.py (its README section gives the figures and the variants not kept).
 RECENT = 4
-RECENT_WEIGHT = 0.6
+RECENT_WEIGHT = 0.4
 # The last RECENT request times are kept for the ids asked for most lately, at most HISTORY x
 # (adapters on disk) of them (and HISTORY_MIN), whatever the number of ids.
 HISTORY = 4
