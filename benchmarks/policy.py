@@ -576,10 +576,19 @@ def replay_over_http(policy: EvictionPolicyName, requests: Sequence[str], room: 
         process.wait(30)
 
 
+# The --http traces: Zipf 1.0; the same with the 10 most popular replaced every 2,000 requests;
+# the same with every adapter asked for once mid-trace.
+HTTP_TRACES: dict[str, Callable[[list[str], int, random.Random], list[str]]] = {
+    "zipf": lambda ids, length, rng: ranked(ids, zipf(len(ids), 1.0, length, rng), rng),
+    "shifting": lambda ids, length, rng: shifting(ids, 1.0, length, 2000, 10, rng),
+    "scan": lambda ids, length, rng: with_scan(ids, 1.0, length, rng),
+}
+
+
 def http_check(args: argparse.Namespace) -> int:
     rng = random.Random(SEED)
     ids = [f"t{i}" for i in range(args.http_adapters)]
-    requests = ranked(ids, zipf(len(ids), 1.0, args.http_requests, rng), rng)
+    requests = HTTP_TRACES[args.http_trace](ids, args.http_requests, rng)
     sizes = dict.fromkeys(ids, 1)
     failed = False
     for name in args.policies:
@@ -594,7 +603,7 @@ def http_check(args: argparse.Namespace) -> int:
         best = belady(requests, sizes, max_bytes=1 << 62, max_adapters=args.http_room)
         same = daemon == simulated.hit_flags
         failed |= not same
-        print(f"{policy.value}: zipf 1.0 over {len(ids)} adapters, room {args.http_room}, "
+        print(f"{policy.value}: {args.http_trace} over {len(ids)} adapters, room {args.http_room}, "
               f"{len(requests)} requests over HTTP in {took:.0f} s: daemon hit ratio "
               f"{hits / len(requests):.3f}, simulated {simulated.hit_ratio:.3f}, "
               f"Belady {best.hit_ratio:.3f} (daemon / Belady "
@@ -612,6 +621,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-adapters", type=int, default=120)
     parser.add_argument("--http-room", type=int, default=12)
     parser.add_argument("--http-requests", type=int, default=600)
+    parser.add_argument("--http-trace", choices=sorted(HTTP_TRACES), default="zipf",
+                        help="--http: Zipf 1.0, the same with the 10 most popular replaced "
+                             "every 2,000 requests, or with a scan of every adapter mid-trace")
     parser.add_argument("--policies", default="lfu,lru",
                         help="--http: the policies to replay (comma-separated)")
     parser.add_argument("--seeds", type=int, default=None,
