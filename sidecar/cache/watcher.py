@@ -256,6 +256,8 @@ class Watcher:
             return False
         except ValueError as exc:
             why = str(exc)
+        except OSError as exc:  # the folder or a file of it went while it was read
+            why = f"cannot read it: {exc.strerror or exc}"
         # Evicted or restaged by the sidecar meanwhile: that explains it, nothing is wrong.
         if self._store.get(adapter_id) is not adapter or _lstat(folder) is None:
             return False

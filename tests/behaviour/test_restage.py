@@ -7,13 +7,18 @@ or the stages after it."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import aiohttp
 import pytest
 
+from sidecar.cache import records
 from sidecar.cache.records import AdapterRecord
 from sidecar.process.app import Sidecar
 from tests.support.api import StartSidecar, call, stage_ok
@@ -100,3 +105,38 @@ async def test_a_generation_folder_removed_outside_does_not_poison_evictions_or_
                                       {"lease_id": body["lease_id"]})
         assert status == 200, released
         await evict_forced(http, sidecar, ADAPTER)
+
+
+async def test_a_folder_evicted_while_the_watcher_reads_its_record_is_no_failure(
+    tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The watcher reads a published folder's record (in a thread) while the sidecar evicts
+    it: the folder goes between the record file's read and the listing of its files. That is
+    the sidecar's own eviction, not a failure and not a change made outside."""
+    caplog.set_level(logging.INFO, logger="sidecar")
+    source = local_registry_adapter(tmp_path, ADAPTER)
+    sidecar = await start_sidecar(make_settings(tmp_path))
+    folder = sidecar.store.root / "adapters" / ADAPTER
+    listing = threading.Event()
+    real_os = records.os
+
+    def scandir(path: Any) -> Any:  # the record read, halfway: wait for the eviction
+        if Path(path) == folder and not listing.is_set():
+            listing.set()
+            deadline = time.monotonic() + 10
+            while folder.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return real_os.scandir(path)
+
+    monkeypatch.setattr(records, "os", SimpleNamespace(**{**vars(real_os), "scandir": scandir}))
+    await stage_ok(http, sidecar, ADAPTER, lease=False)
+    await eventually(listing.is_set, timeout_s=10, what="the watcher reading the record")
+    await evict_forced(http, sidecar, ADAPTER)
+    await asyncio.sleep(0.5)  # the watcher's judging ends
+
+    failures = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert failures == []
+    assert external_evictions(sidecar) == 0
+    body = await stage_ok(http, sidecar, ADAPTER)  # and the watcher and the stage carry on
+    assert same_bytes(source, folder) and body["lora_name"]
