@@ -4,7 +4,6 @@ and a sampler of the bytes under the cache root."""
 
 from __future__ import annotations
 
-import os
 import random
 import statistics
 import threading
@@ -15,12 +14,11 @@ from pathlib import Path
 
 from tritonclient.utils import InferenceServerException
 
-from sidecar.cache.records import RECORD_NAME
 from tests.engine.node import EngineNode, status_of
+from tests.support.cache_checks import disk_bytes
 
 ZIPF_S = 1.1
 SAMPLE_S = 0.5
-ADAPTER_DIRS = ("adapters", ".staging", ".trash")  # what --max-bytes bounds
 
 
 @dataclass(frozen=True)
@@ -87,9 +85,9 @@ class Clients:
 
 @dataclass
 class DiskSampler:
-    """Bytes under the cache root every SAMPLE_S (a hard-linked file once): the adapters'
-    files (published, being staged, being deleted; records aside, `.sidecar.json` and the
-    `.sidecar.json.new` that replaces it) against the budget, and everything else."""
+    """Bytes under the cache root every SAMPLE_S (`cache_checks.disk_bytes`): those the budget
+    bounds (the adapters' files, published, being staged, being deleted; records aside,
+    `.sidecar.json` and the `.sidecar.json.new` that replaces it), and everything else."""
 
     root: Path
     adapter_bytes: list[int] = field(default_factory=list)
@@ -109,22 +107,7 @@ class DiskSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(SAMPLE_S):
-            adapters, other = 0, 0
-            seen: set[int] = set()
-            for folder, _dirs, files in os.walk(self.root):
-                top = Path(folder).relative_to(self.root).parts[:1]
-                for name in files:
-                    try:
-                        st = os.lstat(os.path.join(folder, name))
-                    except OSError:
-                        continue  # deleted while walking
-                    if st.st_ino in seen:
-                        continue
-                    seen.add(st.st_ino)
-                    if top and top[0] in ADAPTER_DIRS and not name.startswith(RECORD_NAME):
-                        adapters += st.st_size
-                    else:
-                        other += st.st_size
+            adapters, other = disk_bytes(self.root)
             self.adapter_bytes.append(adapters)
             self.other_bytes.append(other)
 

@@ -7,7 +7,7 @@ import hashlib
 import json
 import os
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,24 +36,43 @@ def folder_bytes(folder: Path) -> dict[str, bytes]:
 BUDGET_DIRS = ("adapters", ".staging", ".trash")  # what --max-bytes bounds
 
 
-def budget_bytes(cache_root: Path) -> int:
-    """The bytes --max-bytes bounds, as `du` would count them apart from the sidecar's own
-    files: every adapter file under adapters/, .staging/ and .trash/ (published, being staged,
-    being deleted), a hard-linked file once, the records aside. Safe to call while the
-    sidecar works: a file deleted meanwhile is not counted."""
-    total = 0
+def _file_sizes(top: Path, seen: set[int], skip: tuple[str, ...] = ()) -> Iterator[tuple[str, int]]:
+    """The name and size of each file under `top` not in `seen` (by inode; added to it), the
+    folders of `top` named in `skip` aside. A file deleted while walking is left out."""
+    for folder, dirs, files in os.walk(top):
+        if folder == str(top):
+            dirs[:] = [d for d in dirs if d not in skip]
+        for file in files:
+            try:
+                st = os.lstat(os.path.join(folder, file))
+            except OSError:
+                continue  # deleted while walking
+            if st.st_ino not in seen:
+                seen.add(st.st_ino)
+                yield file, st.st_size
+
+
+def disk_bytes(cache_root: Path) -> tuple[int, int]:
+    """The bytes under the cache root, a hard-linked file once: those --max-bytes bounds, as
+    `du` would count them apart from the sidecar's own files (every adapter file under
+    adapters/, .staging/ and .trash/: published, being staged, being deleted; the records
+    aside), and all the rest (the records, the catalog). Safe to call while the sidecar
+    works."""
     seen: set[int] = set()
-    for name in BUDGET_DIRS:
-        for folder, _dirs, files in os.walk(cache_root / name):
-            for file in files:
-                try:
-                    st = os.lstat(os.path.join(folder, file))
-                except OSError:
-                    continue  # deleted while walking
-                if st.st_ino not in seen and not file.startswith(RECORD_NAME):
-                    seen.add(st.st_ino)
-                    total += st.st_size
-    return total
+    budget, other = 0, 0
+    for name in BUDGET_DIRS:  # first: a file linked from outside them too counts here
+        for file, size in _file_sizes(cache_root / name, seen):
+            if file.startswith(RECORD_NAME):
+                other += size
+            else:
+                budget += size
+    other += sum(size for _file, size in _file_sizes(cache_root, seen, skip=BUDGET_DIRS))
+    return budget, other
+
+
+def budget_bytes(cache_root: Path) -> int:
+    """The bytes --max-bytes bounds (see `disk_bytes`)."""
+    return disk_bytes(cache_root)[0]
 
 
 def leftovers(cache_root: Path) -> list[str]:
