@@ -126,7 +126,7 @@ async def test_a_folder_evicted_while_the_watcher_reads_its_record_is_no_failure
             listing.set()
             deadline = time.monotonic() + 10
             while folder.exists() and time.monotonic() < deadline:
-                time.sleep(0.01)
+                time.sleep(0.01)  # polled in the watcher's thread, which the eviction must pass
         return real_os.scandir(path)
 
     monkeypatch.setattr(records, "os", SimpleNamespace(**{**vars(real_os), "scandir": scandir}))
