@@ -28,10 +28,32 @@ class CachedAdapter:
 
 
 class LruIndex(OrderedDict[str, CachedAdapter]):
-    """Every cached adapter by id, least recently used first."""
+    """Every cached adapter by id, least recently used first, and their bytes in all
+    (`size_bytes`, kept as adapters come and go: the budget is checked on every release)."""
 
     # The C method itself: the hit path touches on every request.
     touch = OrderedDict.move_to_end
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.size_bytes = 0
+
+    def __setitem__(self, adapter_id: str, adapter: CachedAdapter) -> None:
+        replaced = self.get(adapter_id)
+        super().__setitem__(adapter_id, adapter)
+        self.size_bytes += adapter.size_bytes - (replaced.size_bytes if replaced else 0)
+
+    def __delitem__(self, adapter_id: str) -> None:
+        self.size_bytes -= self[adapter_id].size_bytes
+        super().__delitem__(adapter_id)
+
+    def remove(self, adapter_id: str) -> CachedAdapter | None:
+        """The adapter taken out of the index, or None (OrderedDict's own pop would leave
+        `size_bytes` behind: it does not go through __delitem__)."""
+        adapter = self.get(adapter_id)
+        if adapter is not None:
+            del self[adapter_id]
+        return adapter
 
     def add_newest(self, adapter: CachedAdapter) -> None:
         """Last to go (an id already indexed keeps its place)."""

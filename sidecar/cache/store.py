@@ -287,7 +287,7 @@ class AdapterStore:
 
     def snapshot(self) -> CacheSnapshot:
         return CacheSnapshot(
-            cache_bytes=sum(a.size_bytes for a in self._index.values()),
+            cache_bytes=self._index.size_bytes,
             cache_adapters=len(self._index),
             capacity_bytes=self.max_bytes,
             capacity_adapters=self.max_adapters,
@@ -297,7 +297,7 @@ class AdapterStore:
 
     @property
     def total_bytes(self) -> int:
-        return sum(a.size_bytes for a in self._index.values())
+        return self._index.size_bytes
 
     # ---- hit path: lookup, touch (recency and count), lease ---------------------------
 
@@ -697,7 +697,7 @@ class AdapterStore:
     def forget(self, adapter_id: str, *, changed: bool = False) -> CachedAdapter | None:
         """The folder vanished (or, `changed`, was altered in place) outside the sidecar: drop
         it from the index."""
-        adapter = self._index.pop(adapter_id, None)
+        adapter = self._index.remove(adapter_id)
         if adapter is None:
             return None
         self._policy.evicted(adapter_id)
@@ -712,7 +712,8 @@ class AdapterStore:
         # Told first: should the catalog fail, the adapter stays indexed and its folder where
         # it is, never a folder in adapters/ that the index no longer names.
         self._listener.leaving(adapter_id)
-        adapter = self._index.pop(adapter_id)
+        adapter = self._index[adapter_id]
+        self._index.remove(adapter_id)
         self._policy.evicted(adapter_id)
         target = self.trash_dir / f"{adapter_id}.{secrets.token_hex(6)}"
         try:

@@ -19,7 +19,7 @@ COMMENT_REACH = 4  # a sleep's comment is on its line or on one of the lines jus
 # The modules of sidecar/ that have no test of their own under tests/unit/ yet (their rules are
 # tested through the running sidecar in tests/behaviour/).
 UNMIRRORED = frozenset({  # may only shrink: a module added comes with its test
-    "__main__.py", "cache/admission.py", "cache/lease_sweep.py", "cache/leases.py", "cache/lru.py",
+    "__main__.py", "cache/admission.py", "cache/lease_sweep.py", "cache/leases.py",
     "cache/records.py", "cache/stager.py", "config.py", "core/exits.py", "core/filehash.py",
     "core/fsutil.py", "core/net.py", "core/options.py", "core/version.py", "process/app.py",
     "process/examples.py", "process/preflight.py",
