@@ -72,9 +72,10 @@ class LeaseTable:
 
     def _drop_oldest(self, now: float) -> None:
         """Past --max-leases someone is not releasing: the oldest lease ends early, so memory
-        stays bounded. A request still running after that many newer ones is not plausible."""
-        lease_id, (adapter_id, _, _) = next(iter(self._leases.items()))
-        self.end(lease_id, journal=False)  # a restart applies the same cap
+        stays bounded. A request still running after that many newer ones is not plausible.
+        No journal line: a restart applies the same cap."""
+        _, (adapter_id, _, _) = self._leases.popitem(last=False)
+        self._uncount(adapter_id)
         self._metrics.leases_expired.inc()
         if now - self._cap_warned_at >= 60:
             self._cap_warned_at = now
@@ -135,15 +136,18 @@ class LeaseTable:
 
     def end(self, lease_id: str, *, journal: bool = True) -> Lease:
         adapter_id, expires_at, digest = self._leases.pop(lease_id)
+        self._uncount(adapter_id)
+        if journal and self.lease_journal is not None:
+            self.lease_journal.ended(digest)
+        expires_in_s = expires_at - self._monotonic()
+        return Lease(lease_id, adapter_id, expires_at, self._clock() + expires_in_s)
+
+    def _uncount(self, adapter_id: str) -> None:
         left = self._counts[adapter_id] - 1
         if left:
             self._counts[adapter_id] = left
         else:
             del self._counts[adapter_id]
-        if journal and self.lease_journal is not None:
-            self.lease_journal.ended(digest)
-        expires_in_s = expires_at - self._monotonic()
-        return Lease(lease_id, adapter_id, expires_at, self._clock() + expires_in_s)
 
     def restore(self, leases: Iterable[JournalLease]) -> int:
         """Take back leases a previous process granted (soonest to expire first). Returns how

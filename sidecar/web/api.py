@@ -154,6 +154,8 @@ class Services:
 
 
 SERVICES = web.AppKey("services", Services)
+# What `text=..., content_type=` would set, given whole: aiohttp parses less (hit path).
+JSON_HEADERS = {"Content-Type": "application/json; charset=utf-8"}
 STAGE_FRAGMENTS_MAX = 4096  # encoded /stage answers kept, one per adapter id
 
 
@@ -377,7 +379,7 @@ async def stage(request: web.Request) -> web.Response:
         adapter_id, timeout_s=timeout_s, lease=body.get("lease", True),
         hold_s=float(body.get("hold_s", 0.0)),
         refused=None if refused is None else EngineRefusal.from_json(refused))
-    return web.Response(text=_stage_json(services, named), content_type="application/json")
+    return web.Response(body=_stage_json(services, named).encode(), headers=JSON_HEADERS)
 
 
 async def release(request: web.Request) -> web.Response:
