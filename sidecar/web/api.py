@@ -1,5 +1,5 @@
 """HTTP API: thin aiohttp handlers over the stager and the store. Errors become JSON in one
-place (the middleware), with their status from one table.
+place (`json_errors`, wrapped around each route), with their status from one table.
 """
 
 from __future__ import annotations
