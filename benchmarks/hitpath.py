@@ -102,6 +102,7 @@ def compare(rounds: int, seconds: float, clients_list: list[int], dest: Path,
         for _, pid in targets.values():
             pin_to_server_cpu(pid)
         runs: dict[tuple[str, int], list[LoadResult]] = {}
+        load_before = os.getloadavg()
         for round_index in range(rounds):
             order = list(targets.items())
             shift = round_index % len(order)
@@ -109,10 +110,13 @@ def compare(rounds: int, seconds: float, clients_list: list[int], dest: Path,
                 for name, (url, pid) in order[shift:] + order[:shift]:
                     runs.setdefault((name, clients), []).append(
                         run_wrk("wrk", url, pid, small.adapter_id, clients, seconds))
+        load_after = os.getloadavg()
     finally:
         sup.stop_all()
         shutil.rmtree(dest, ignore_errors=True)
-    lines = [f"\nPOST /stage hits, {rounds} alternating rounds of {seconds:g} s (medians):\n",
+    load = " / ".join(" ".join(f"{x:.2f}" for x in avg) for avg in (load_before, load_after))
+    lines = [f"\nPOST /stage hits, {rounds} alternating rounds of {seconds:g} s (medians); load "
+             f"average 1/5/15 min at the start / the end: {load}\n",
              "| server | clients | req/s | / bare | CPU µs/req | / bare CPU | CPU µs/req, runs |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for clients in clients_list:

@@ -186,7 +186,9 @@ class LeaseJournal:
                                    | os.O_CLOEXEC, 0o600)
                 if os.fstat(self._fd).st_size == 0:
                     data = f"{FORMAT_LINE} boot={self._boot_id}\n".encode() + data
-            _write_all(self._fd, data)
+            written = os.write(self._fd, data)  # whole, but for a short write (hit path)
+            if written < len(data):
+                _write_all(self._fd, data[written:])
         except OSError as exc:
             self.failed = True
             now = self._monotonic()

@@ -42,7 +42,7 @@ class LeaseTable:
         # we hand out). Untracked tuples in an OrderedDict: benchmarks/README.md, "hit path".
         self._leases: OrderedDict[str, tuple[str, float, str]] = OrderedDict()
         self._counts: dict[str, int] = {}  # adapter_id -> live leases
-        self._random_pool: list[str] = []
+        self._random_pool: list[tuple[str, str]] = []  # (lease id, digest)
         self._cap_warned_at = -math.inf
         self.lease_journal: LeaseJournal | None = None  # the store installs it once recovered
 
@@ -53,9 +53,9 @@ class LeaseTable:
         """A new lease on `adapter_id`; `now` on the wall clock."""
         monotonic_now = self._monotonic()
         expires_at = monotonic_now + self.ttl_s
-        lease = Lease(self._new_lease_id(), adapter_id, expires_at, now + self.ttl_s)
-        digest = lease_digest(lease.lease_id)
-        self._leases[lease.lease_id] = (adapter_id, expires_at, digest)
+        lease_id, digest = self._new_lease_id()
+        lease = Lease(lease_id, adapter_id, expires_at, now + self.ttl_s)
+        self._leases[lease_id] = (adapter_id, expires_at, digest)
         self._counts[adapter_id] = self._counts.get(adapter_id, 0) + 1
         if self.lease_journal is not None:
             self.lease_journal.granted(digest, adapter_id, self.ttl_s, now, monotonic_now)
@@ -63,18 +63,21 @@ class LeaseTable:
             self._drop_oldest(monotonic_now)
         return lease
 
-    def _new_lease_id(self) -> str:
-        """128 random bits from the OS's CSPRNG, fetched 256 ids at a time (hit path)."""
+    def _new_lease_id(self) -> tuple[str, str]:
+        """A lease id, 128 random bits from the OS's CSPRNG, and its digest for the journal:
+        made 256 at a time, one getrandom() and the hashes in one loop (hit path)."""
         if not self._random_pool:
             pool = secrets.token_bytes(16 * 256)
-            self._random_pool = [pool[i:i + 16].hex() for i in range(0, len(pool), 16)]
+            ids = [pool[i:i + 16].hex() for i in range(0, len(pool), 16)]
+            self._random_pool = [(lease_id, lease_digest(lease_id)) for lease_id in ids]
         return self._random_pool.pop()
 
     def _drop_oldest(self, now: float) -> None:
         """Past --max-leases someone is not releasing: the oldest lease ends early, so memory
-        stays bounded. A request still running after that many newer ones is not plausible."""
-        lease_id, (adapter_id, _, _) = next(iter(self._leases.items()))
-        self.end(lease_id, journal=False)  # a restart applies the same cap
+        stays bounded. A request still running after that many newer ones is not plausible.
+        No journal line: a restart applies the same cap."""
+        _, (adapter_id, _, _) = self._leases.popitem(last=False)
+        self._uncount(adapter_id)
         self._metrics.leases_expired.inc()
         if now - self._cap_warned_at >= 60:
             self._cap_warned_at = now
@@ -135,15 +138,18 @@ class LeaseTable:
 
     def end(self, lease_id: str, *, journal: bool = True) -> Lease:
         adapter_id, expires_at, digest = self._leases.pop(lease_id)
+        self._uncount(adapter_id)
+        if journal and self.lease_journal is not None:
+            self.lease_journal.ended(digest)
+        expires_in_s = expires_at - self._monotonic()
+        return Lease(lease_id, adapter_id, expires_at, self._clock() + expires_in_s)
+
+    def _uncount(self, adapter_id: str) -> None:
         left = self._counts[adapter_id] - 1
         if left:
             self._counts[adapter_id] = left
         else:
             del self._counts[adapter_id]
-        if journal and self.lease_journal is not None:
-            self.lease_journal.ended(digest)
-        expires_in_s = expires_at - self._monotonic()
-        return Lease(lease_id, adapter_id, expires_at, self._clock() + expires_in_s)
 
     def restore(self, leases: Iterable[JournalLease]) -> int:
         """Take back leases a previous process granted (soonest to expire first). Returns how

@@ -153,24 +153,35 @@ class Stager:
 
     async def stage(self, adapter_id: str, *, timeout_s: float, lease: bool = True) -> StageResult:
         """Return the published adapter, leased; download it first if it is not cached."""
+        staged = self.hit(adapter_id, lease=lease)
+        if staged is not None:
+            return staged
         started = time.perf_counter()
-        result = "error"
+        result = "miss"
         try:
             check_adapter_id(adapter_id)
-            if self._store.get(adapter_id) is not None:
-                result = "hit"
-                return self._hand_out(adapter_id, lease, cached=True)
-            result = "miss"
-            staged = await self._await_stage(adapter_id, timeout_s, lease)
-            return staged
+            return await self._await_stage(adapter_id, timeout_s, lease)
         except BaseException:
             result = "error"
             raise
         finally:
             self._requests[result].inc()
-            self._durations[result].observe(
-                time.perf_counter() - started
-            )
+            self._durations[result].observe(time.perf_counter() - started)
+
+    def hit(self, adapter_id: str, *, lease: bool = True) -> StageResult | None:
+        """The adapter leased (or touched) and counted as a hit when it is cached, without a
+        wait; None when it is not (`stage` fetches it)."""
+        if self._store.get(adapter_id) is None:
+            return None
+        started = time.perf_counter()
+        result = "error"
+        try:
+            staged = self._hand_out(adapter_id, lease, cached=True)
+            result = "hit"
+            return staged
+        finally:
+            self._requests[result].inc()
+            self._durations[result].observe(time.perf_counter() - started)
 
     async def _await_stage(self, adapter_id: str, timeout_s: float, lease: bool) -> StageResult:
         # A claim keeps the adapter from being evicted between its publication and our lease.

@@ -115,6 +115,12 @@ class Naming:
         answer gave: judged here, it is answered at once when the engine failed on the request
         itself, else waited out like a reload. The lease is released before an error is
         raised."""
+        # The hit path: cached and named already, answered without a wait (so no claim).
+        staged = self._stager.hit(adapter_id, lease=lease) if refused is None else None
+        if staged is not None:
+            name = self._serving_name(staged.adapter)
+            if name is not None:
+                return Named(staged, name)
         now = asyncio.get_running_loop().time()
         hold_until = now + min(hold_s, timeout_s)
         failure = None if refused is None else judge(refused, adapter_id, self._serving.model)
@@ -124,7 +130,8 @@ class Naming:
         # a claim held from before the stage to after the naming, so an adapter that was
         # staged is always answered with a name.
         with contextlib.nullcontext() if lease else self._store.claim(adapter_id):
-            staged = await self._stager.stage(adapter_id, timeout_s=timeout_s, lease=lease)
+            if staged is None:
+                staged = await self._stager.stage(adapter_id, timeout_s=timeout_s, lease=lease)
             try:
                 name = await self._name_when_served(staged.adapter, hold_until, refused, failure)
             except BaseException:  # an error, or the caller gone while held
@@ -133,6 +140,14 @@ class Naming:
                         self._store.release(staged.lease.lease_id)
                 raise
         return Named(staged, name)
+
+    def _serving_name(self, adapter: CachedAdapter) -> str | None:
+        """The name an engine serves the adapter by now, if it has one: the hit path, without
+        the waits and catalog changes of `_name_when_served`."""
+        generation = self._serving.naming_or_none()
+        if generation is None:
+            return None
+        return generation.serving_name(adapter.adapter_id, adapter.record.content_digest)
 
     async def _name_when_served(self, adapter: CachedAdapter, hold_until: float,
                                 refused: EngineRefusal | None, failure: SidecarError | None

@@ -27,7 +27,7 @@ UNMIRRORED = frozenset({  # may only shrink: a module added comes with its test
     "registry/local.py", "registry/proxies.py", "registry/s3.py", "registry/s3_client.py",
     "registry/s3errors.py", "validation/adapter_config.py", "validation/oms.py",
     "validation/options.py", "validation/safetensors_check.py",
-    "validation/shapes.py", "web/api.py", "web/server.py",
+    "validation/shapes.py", "web/server.py",
 })
 
 

@@ -41,6 +41,19 @@ async def test_a_stage_that_cannot_be_named_yet_gives_its_lease_back(world: Worl
     assert world.store.lease_count("a1") == 0
 
 
+async def test_a_hit_that_cannot_be_named_yet_gives_its_lease_back_too(world: World) -> None:
+    world.add_adapter("a1")
+    await serving(world, base_model_config=None)
+    assert world.naming is not None and world.store is not None
+    with pytest.raises(CatalogPending):
+        await world.naming.stage("a1", timeout_s=30, lease=True)  # the miss that stages it
+
+    with pytest.raises(CatalogPending):
+        await world.naming.stage("a1", timeout_s=30, lease=True)
+
+    assert world.store.get("a1") is not None and world.store.lease_count("a1") == 0
+
+
 async def test_stage_answers_the_name_to_send_and_catalog_shows_it(
     tmp_path: Path, start_sidecar: Any, http: Any,
 ) -> None:
