@@ -61,7 +61,7 @@ from .leases import Lease
 from .lru import CachedAdapter
 from .records import FileRecord
 from .refusals import Refusals
-from .store import AdapterStore
+from .store import AdapterStore, Reservation
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,10 @@ JUDGE_FIRST_MAX = 4
 # What those files hold in memory at most, stages judging them and stages waiting for room
 # with them included: they are written to disk only once room is reserved.
 JUDGED_MAX_BYTES = JUDGE_FIRST_MAX * (CONFIG_MAX_BYTES + SIGNATURE_MAX_BYTES)
+# An unsigned adapter listed at most this large, whose room is free without evicting anything,
+# has its weights fetched beside its config rather than after it (one round trip less): a
+# refusal then costs at most this much transfer, deleted with the stage, and evicts nothing.
+BESIDE_MAX_BYTES = 4 * 1024**2
 
 
 _Fetched = dict[str, tuple[FetchedFile, ValueReport | None]]
@@ -262,11 +266,21 @@ class Stager:
             size_bytes = sum(f.size_bytes for f in listing.files)
             self._judge_listed_sizes(adapter_id, listing)
             self._store.fits_budget(adapter_id, size_bytes)
-            async with (self._judge_first(adapter_id, listing) as judged,
-                        self._store.staging(adapter_id) as staging):
-                await staging.reserve(size_bytes, wait_s=answer_by - time.monotonic())
+            async with contextlib.AsyncExitStack() as stack:
+                free = self._free_room(adapter_id, listing, size_bytes)
+                if free is None:
+                    judged = await stack.enter_async_context(
+                        self._judge_first(adapter_id, listing))
+                    staging = await stack.enter_async_context(self._store.staging(adapter_id))
+                    await staging.reserve(size_bytes, wait_s=answer_by - time.monotonic())
+                    rest: _Fetched = {}
+                else:
+                    staging = await stack.enter_async_context(
+                        self._store.staging(adapter_id, reserved=free))
+                    judged, rest = await self._judge_beside(adapter_id, listing, staging.path,
+                                                            stack)
                 # Written only now, within the room just reserved: the budget holds throughout.
-                first = await judged.write_into(staging.path)
+                first = await judged.write_into(staging.path) | rest
                 verdict = judged.verdict
                 fetched, problems = await self._fetch_and_validate(adapter_id, listing,
                                                                    staging.path, verdict, first)
@@ -376,6 +390,29 @@ class Stager:
             if any(p.code in SIGNATURE_CODES for p in problems):
                 self._metrics.signature_verifications.labels(outcome="refused").inc()
             raise self._refuse(adapter_id, problems, listing)
+
+    def _free_room(self, adapter_id: str, listing: Listing, size_bytes: int) -> Reservation | None:
+        """Room held at once for a small unsigned adapter when it is free without evicting
+        anything (its weights are then fetched beside its config); None otherwise."""
+        if (size_bytes > BESIDE_MAX_BYTES
+                or self._rules.signing.rule_for(adapter_id).mode is not SignatureMode.OFF):
+            return None  # a signature is judged before any weights are downloaded
+        return self._store.reserve_free(adapter_id, size_bytes)
+
+    async def _judge_beside(self, adapter_id: str, listing: Listing, staging: Path,
+                            stack: contextlib.AsyncExitStack) -> tuple[_Judged, _Fetched]:
+        """The config judged (`_judge_first`) while the other files are fetched into
+        `staging`, whose room is reserved already; on a refusal their fetch is stopped, and
+        the stage's exit deletes what it wrote and gives the room back."""
+        rest = [f for f in listing.files if f.name != CONFIG_FILE]
+        fetching = asyncio.create_task(self._fetch_all(adapter_id, rest, staging))
+        try:
+            judged = await stack.enter_async_context(self._judge_first(adapter_id, listing))
+            return judged, await fetching
+        except BaseException:
+            fetching.cancel()
+            await asyncio.gather(fetching, return_exceptions=True)
+            raise
 
     @contextlib.asynccontextmanager
     async def _judge_first(self, adapter_id: str, listing: Listing) -> AsyncIterator[_Judged]:
