@@ -434,18 +434,14 @@ class Stager:
     async def _judge_fetched(self, adapter_id: str, listing: Listing, rule: Rule,
                              first: list[RemoteFile]) -> tuple[SignatureVerdict, _InMemory]:
         got = await self._fetch_intact(adapter_id, first)
-        signature = got.get(SIGNATURE_FILE)
-        verdict = await asyncio.to_thread(
-            check_signature, rule, adapter_id, signature[1] if signature is not None else None,
-            published_names([f.name for f in listing.files]))
-        if verdict.problems:
-            self._count_signature(verdict, list(verdict.problems))
-            raise self._refuse(adapter_id, list(verdict.problems), listing)
-        if CONFIG_FILE in got:
-            problems = await asyncio.to_thread(judge_config, got[CONFIG_FILE][1], self._rules)
-            if problems:
-                self._count_signature(verdict, problems)
-                raise self._refuse(adapter_id, problems, listing)
+        signature, config = got.get(SIGNATURE_FILE), got.get(CONFIG_FILE)
+        verdict, problems = await asyncio.to_thread(
+            _judge_in_memory, rule, adapter_id, signature[1] if signature is not None else None,
+            published_names([f.name for f in listing.files]),
+            config[1] if config is not None else None, self._rules)
+        if problems:
+            self._count_signature(verdict, problems)
+            raise self._refuse(adapter_id, problems, listing)
         return verdict, got
 
     async def _fetch_intact(self, adapter_id: str, files: list[RemoteFile]) -> _InMemory:
@@ -600,6 +596,17 @@ def _checksum_problems(name: str, got: FetchedFile) -> list[Problem]:
         for algorithm, ours, theirs in pairs
         if theirs is not None and ours != theirs
     ]
+
+
+def _judge_in_memory(rule: Rule, adapter_id: str, signature: bytes | None,
+                     names: set[str], config: bytes | None,
+                     rules: Rules) -> tuple[SignatureVerdict, list[Problem]]:
+    """The signature's verdict, then (if it refuses nothing) the config's problems: one
+    worker-thread job for both."""
+    verdict = check_signature(rule, adapter_id, signature, names)
+    if verdict.problems:
+        return verdict, list(verdict.problems)
+    return verdict, [] if config is None else judge_config(config, rules)
 
 
 def _write_all(folder: Path, files: dict[str, bytes]) -> None:

@@ -174,6 +174,7 @@ class AdapterStore:
         self._trash_pending: list[Path] = []
         self._listener = listener or StoreListener()
         self._deleting: set[asyncio.Future[None]] = set()  # evicted folders being deleted
+        self._admitted_stagings: set[Path] = set()  # renamed into adapters/, until staging() ends
 
     def _new_policy(self, sketch: FrequencySketch) -> EvictionPolicy:
         return make_policy(self._policy_name, max_bytes=self.max_bytes,
@@ -431,7 +432,10 @@ class AdapterStore:
         finally:
             if staging.reservation is not None:
                 self._unreserve(staging.reservation)
-            await asyncio.to_thread(remove_tree, path)  # gone already once admitted
+            if path in self._admitted_stagings:  # renamed into `adapters/`: nothing left
+                self._admitted_stagings.discard(path)
+            else:
+                await asyncio.to_thread(remove_tree, path)
 
     def reserve_free(self, adapter_id: str, size_bytes: int) -> Reservation | None:
         """Room for a download held at once when it is free now: no download waits for room,
@@ -690,6 +694,7 @@ class AdapterStore:
                 # is validated; theirs goes to quarantine rather than being overwritten.
                 self.quarantine(final, "replaced by a fresh stage")
             os.rename(staging, final)
+            self._admitted_stagings.add(staging)
             self._index.add_newest(adapter)
         self._restore_budget()
         return adapter
