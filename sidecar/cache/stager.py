@@ -83,7 +83,8 @@ JUDGED_MAX_BYTES = JUDGE_FIRST_MAX * (CONFIG_MAX_BYTES + SIGNATURE_MAX_BYTES)
 BESIDE_MAX_BYTES = 4 * 1024**2
 
 
-_Fetched = dict[str, tuple[FetchedFile, ValueReport | None]]
+# Each file's fetch, and the weights' value scan: finished (a report) by the validation job.
+_Fetched = dict[str, tuple[FetchedFile, ValueScan | ValueReport | None]]
 _InMemory = dict[str, tuple[FetchedFile, bytes]]  # files fetched to be judged before room
 
 
@@ -96,14 +97,20 @@ class _Judged:
         self._files = files
         self._held = held
 
+    def take(self) -> tuple[dict[str, bytes], _Fetched]:
+        """The files' bytes, to be written into the stage's folder (this keeps no reference to
+        them), and what their fetch found."""
+        files = dict(self._files)
+        self._files.clear()
+        return ({name: data for name, (_, data) in files.items()},
+                {name: (fetched, None) for name, (fetched, _) in files.items()})
+
     async def write_into(self, folder: Path) -> _Fetched:
         """Write the files into `folder` (fsynced) and let go of their bytes."""
-        files = dict(self._files)
-        self._files.clear()  # the only other reference to the bytes
-        await asyncio.to_thread(_write_all, folder,
-                                {name: data for name, (_, data) in files.items()})
+        data, fetched = self.take()
+        await asyncio.to_thread(_write_all, folder, data)
         self._held.release()
-        return {name: (fetched, None) for name, (fetched, _) in files.items()}
+        return fetched
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,17 +280,21 @@ class Stager:
                         self._judge_first(adapter_id, listing))
                     staging = await stack.enter_async_context(self._store.staging(adapter_id))
                     await staging.reserve(size_bytes, wait_s=answer_by - time.monotonic())
-                    rest: _Fetched = {}
+                    # Written only now, within the room just reserved: the budget holds
+                    # throughout; before the weights' fetch, so their memory is free during it.
+                    first = await judged.write_into(staging.path)
+                    unwritten: dict[str, bytes] = {}
                 else:
                     staging = await stack.enter_async_context(
                         self._store.staging(adapter_id, reserved=free))
                     judged, rest = await self._judge_beside(adapter_id, listing, staging.path,
                                                             stack)
-                # Written only now, within the room just reserved: the budget holds throughout.
-                first = await judged.write_into(staging.path) | rest
+                    # Written by the validation's own job (every file is fetched already).
+                    unwritten, first = judged.take()
+                    first |= rest
                 verdict = judged.verdict
-                fetched, problems = await self._fetch_and_validate(adapter_id, listing,
-                                                                   staging.path, verdict, first)
+                fetched, problems = await self._fetch_and_validate(
+                    adapter_id, listing, staging.path, verdict, first, unwritten)
                 self._count_signature(verdict, problems)
                 if problems:
                     raise self._refuse(adapter_id, problems, listing)
@@ -484,7 +495,7 @@ class Stager:
 
     async def _fetch_and_validate(
         self, adapter_id: str, listing: Listing, staging: Path, verdict: SignatureVerdict,
-        fetched_first: _Fetched,
+        fetched_first: _Fetched, unwritten: dict[str, bytes],
     ) -> tuple[list[FetchedFile], list[Problem]]:
         """Download every file (but those fetched first), then the verdict on the folder, the
         signature's digests included.
@@ -493,7 +504,9 @@ class Stager:
         or a SHA256SUMS mismatch that a second download does not repeat are faults of the
         transfer, not of the adapter: those files are fetched afresh (FETCH_ATTEMPTS in all),
         and if the fault persists the stage fails with RegistryTransient, which nothing
-        remembers. The tensor values are checked by the download, in the bytes it reads.
+        remembers. The tensor values are checked by the download, in the bytes it reads, and
+        what it could not check is read back by the validation's job. `unwritten`: files
+        fetched into memory, written (and let go) by that job before it validates.
         """
         files = {f.name: f for f in listing.files}
         got = fetched_first | await self._fetch_all(
@@ -504,9 +517,11 @@ class Stager:
                                for problem in _checksum_problems(f.name, got[f.name][0])]
             digests = {name: fetched.sha256 for name, (fetched, _) in got.items()
                        if fetched.sha256 is not None}
-            scanned = {name: report for name, (_, report) in got.items() if report is not None}
-            problems = await asyncio.to_thread(validate_adapter, staging, self._rules,
-                                               sha256=digests, scanned=scanned)
+            reports, problems = await asyncio.to_thread(
+                _write_and_validate, staging, dict(unwritten), self._rules, digests,
+                {name: scan for name, (_, scan) in got.items() if scan is not None})
+            unwritten.clear()  # the caller's reference to their bytes: written now
+            got |= {name: (got[name][0], report) for name, report in reports.items()}
             problems += check_digests(verdict, adapter_id, digests).problems
             suspects = _suspect_files(problems, got, crc_before) | {
                 p.file for p in transfer_faults}
@@ -556,15 +571,15 @@ class Stager:
 
     async def _fetch_one(
         self, adapter_id: str, file: RemoteFile, dest: Path, count: Callable[[int], None],
-    ) -> tuple[FetchedFile, ValueReport | None]:
+    ) -> tuple[FetchedFile, ValueScan | None]:
         """One file; the weights' tensor values are checked in the chunks the download
-        reads, and what it could not check in flight is read back at the end."""
+        reads (what it could not check in flight is read back by the validation's job)."""
         if file.name != WEIGHTS_FILE:
             return await self._registry.fetch(adapter_id, file, dest, count, sha256=True), None
         scan = ValueScan(file.size_bytes)
         fetched = await self._registry.fetch(adapter_id, file, dest, count, inspect=scan,
                                            sha256=True)
-        return fetched, await asyncio.to_thread(finish_scan, scan, dest)
+        return fetched, scan
 
 
 def _suspect_files(problems: list[Problem], got: _Fetched,
@@ -596,6 +611,18 @@ def _checksum_problems(name: str, got: FetchedFile) -> list[Problem]:
         for algorithm, ours, theirs in pairs
         if theirs is not None and ours != theirs
     ]
+
+
+def _write_and_validate(
+    staging: Path, unwritten: dict[str, bytes], rules: Rules, digests: dict[str, str],
+    scans: dict[str, ValueScan | ValueReport],
+) -> tuple[dict[str, ValueReport], list[Problem]]:
+    """One worker-thread job: files fetched into memory written into the folder, the value
+    scans finished (what the download could not check read back), then the folder judged."""
+    _write_all(staging, unwritten)
+    reports = {name: scan if isinstance(scan, ValueReport) else finish_scan(scan, staging / name)
+               for name, scan in scans.items()}
+    return reports, validate_adapter(staging, rules, sha256=digests, scanned=reports)
 
 
 def _judge_in_memory(rule: Rule, adapter_id: str, signature: bytes | None,
