@@ -56,10 +56,10 @@ from ..validation.validate import (
     validate_adapter,
 )
 from ..validation.values import ValueReport, ValueScan, finish_scan
-from .admission import Passed, admit_staged
+from .admission import Passed, admit_sealed, seal
 from .leases import Lease
 from .lru import CachedAdapter
-from .records import FileRecord
+from .records import AdapterRecord, FileRecord
 from .refusals import Refusals
 from .store import AdapterStore, Reservation
 
@@ -293,19 +293,14 @@ class Stager:
                     unwritten, first = judged.take()
                     first |= rest
                 verdict = judged.verdict
-                fetched, problems = await self._fetch_and_validate(
+                sealed, problems = await self._fetch_and_validate(
                     adapter_id, listing, staging.path, verdict, first, unwritten)
                 self._count_signature(verdict, problems)
                 if problems:
                     raise self._refuse(adapter_id, problems, listing)
-                passed = Passed(
-                    adapter_id, self._registry.description,
-                    {f.name: FileRecord(f.size_bytes, f.etag, got.crc32, got.sha256)
-                     for f, got in zip(listing.files, fetched, strict=True)},
-                    verdict,
-                    registry_checksums=any(got.registry_crc32 or got.registry_sha256
-                                           for got in fetched))
-                await admit_staged(self._store, staging.path, passed)
+                if sealed is None:
+                    raise AssertionError("a folder without problems is sealed as it is judged")
+                await admit_sealed(self._store, staging.path, sealed)
             elapsed = time.perf_counter() - started
             self._metrics.download_duration.observe(elapsed)
             log.info("staged adapter_id=%s bytes=%d files=%d in %.2fs (%.1f MiB/s)", adapter_id,
@@ -496,9 +491,10 @@ class Stager:
     async def _fetch_and_validate(
         self, adapter_id: str, listing: Listing, staging: Path, verdict: SignatureVerdict,
         fetched_first: _Fetched, unwritten: dict[str, bytes],
-    ) -> tuple[list[FetchedFile], list[Problem]]:
+    ) -> tuple[AdapterRecord | None, list[Problem]]:
         """Download every file (but those fetched first), then the verdict on the folder, the
-        signature's digests included.
+        signature's digests included, and the record of a folder that passed, written and
+        sealed (`admission.seal`) by the same worker-thread job.
 
         Bytes that differ from the registry's own checksum, a file that cannot be read back,
         or a SHA256SUMS mismatch that a second download does not repeat are faults of the
@@ -517,16 +513,19 @@ class Stager:
                                for problem in _checksum_problems(f.name, got[f.name][0])]
             digests = {name: fetched.sha256 for name, (fetched, _) in got.items()
                        if fetched.sha256 is not None}
-            reports, problems = await asyncio.to_thread(
+            signed = list(check_digests(verdict, adapter_id, digests).problems)
+            record = None if transfer_faults or signed else self._passed(
+                adapter_id, listing, got, verdict).record()
+            reports, problems, sealed = await asyncio.to_thread(
                 _write_and_validate, staging, dict(unwritten), self._rules, digests,
-                {name: scan for name, (_, scan) in got.items() if scan is not None})
+                {name: scan for name, (_, scan) in got.items() if scan is not None}, record)
             unwritten.clear()  # the caller's reference to their bytes: written now
             got |= {name: (got[name][0], report) for name, report in reports.items()}
-            problems += check_digests(verdict, adapter_id, digests).problems
+            problems += signed
             suspects = _suspect_files(problems, got, crc_before) | {
                 p.file for p in transfer_faults}
             if not suspects:
-                return [got[f.name][0] for f in listing.files], problems
+                return sealed, problems
             faults = transfer_faults + [p for p in problems if p.file in suspects
                                         or p.code == "read_error"]
             if attempt == FETCH_ATTEMPTS:
@@ -547,6 +546,16 @@ class Stager:
             await asyncio.to_thread(_unlink_all, [staging / name for name in names])
             got.update(await self._fetch_all(adapter_id, [files[n] for n in names], staging))
         raise AssertionError("FETCH_ATTEMPTS is at least 1")
+
+    def _passed(self, adapter_id: str, listing: Listing, got: _Fetched,
+                verdict: SignatureVerdict) -> Passed:
+        fetched = [got[f.name][0] for f in listing.files]
+        return Passed(
+            adapter_id, self._registry.description,
+            {f.name: FileRecord(f.size_bytes, f.etag, one.crc32, one.sha256)
+             for f, one in zip(listing.files, fetched, strict=True)},
+            verdict,
+            registry_checksums=any(one.registry_crc32 or one.registry_sha256 for one in fetched))
 
     async def _fetch_all(
         self, adapter_id: str, files: list[RemoteFile], staging: Path
@@ -615,14 +624,18 @@ def _checksum_problems(name: str, got: FetchedFile) -> list[Problem]:
 
 def _write_and_validate(
     staging: Path, unwritten: dict[str, bytes], rules: Rules, digests: dict[str, str],
-    scans: dict[str, ValueScan | ValueReport],
-) -> tuple[dict[str, ValueReport], list[Problem]]:
+    scans: dict[str, ValueScan | ValueReport], record: AdapterRecord | None,
+) -> tuple[dict[str, ValueReport], list[Problem], AdapterRecord | None]:
     """One worker-thread job: files fetched into memory written into the folder, the value
-    scans finished (what the download could not check read back), then the folder judged."""
+    scans finished (what the download could not check read back), the folder judged, and,
+    when it passed and `record` is given (nothing else refused the bytes), the record written
+    and the folder sealed."""
     _write_all(staging, unwritten)
     reports = {name: scan if isinstance(scan, ValueReport) else finish_scan(scan, staging / name)
                for name, scan in scans.items()}
-    return reports, validate_adapter(staging, rules, sha256=digests, scanned=reports)
+    problems = validate_adapter(staging, rules, sha256=digests, scanned=reports)
+    sealed = seal(staging, record) if record is not None and not problems else None
+    return reports, problems, sealed
 
 
 def _judge_in_memory(rule: Rule, adapter_id: str, signature: bytes | None,
