@@ -53,13 +53,11 @@ def signature_rechecked(record: AdapterRecord, verdict: SignatureVerdict) -> Ada
                    verified=(*checks, Check.SIGNATURE) if verdict.signed else checks)
 
 
-async def admit_staged(store: AdapterStore, staging: Path, passed: Passed) -> AdapterRecord:
-    """A validated download: its record written and the folder fsynced, renamed into
-    `adapters/` (the most recently used), and `adapters/` fsynced."""
-    record = await asyncio.to_thread(_seal, staging, passed.record())
-    store.admit(record, staging=staging)
+async def admit_sealed(store: AdapterStore, staging: Path, sealed: AdapterRecord) -> None:
+    """A validated download whose record `seal()` wrote: renamed into `adapters/` (the most
+    recently used), and `adapters/` fsynced."""
+    store.admit(sealed, staging=staging)
     await asyncio.to_thread(fsync_dir, store.adapters_dir)
-    return record
 
 
 async def admit_in_place(store: AdapterStore, folder: Path, passed: Passed, *,
@@ -81,8 +79,10 @@ async def admit_in_place(store: AdapterStore, folder: Path, passed: Passed, *,
 # ---- blocking (run in threads) -----------------------------------------------------------
 
 
-def _seal(staging: Path, record: AdapterRecord) -> AdapterRecord:
-    """Write the record (with the files' times, as sealed) and make the folder durable."""
+def seal(staging: Path, record: AdapterRecord) -> AdapterRecord:
+    """Write the record of a validated download (with the files' times, as sealed) and make
+    its folder durable (blocking: the stage's validation job calls it once the folder
+    passed)."""
     sealed = write_record(staging, record)
     fsync_dir(staging)
     return sealed

@@ -56,12 +56,12 @@ from ..validation.validate import (
     validate_adapter,
 )
 from ..validation.values import ValueReport, ValueScan, finish_scan
-from .admission import Passed, admit_staged
+from .admission import Passed, admit_sealed, seal
 from .leases import Lease
 from .lru import CachedAdapter
-from .records import FileRecord
+from .records import AdapterRecord, FileRecord
 from .refusals import Refusals
-from .store import AdapterStore
+from .store import AdapterStore, Reservation
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +77,14 @@ JUDGE_FIRST_MAX = 4
 # What those files hold in memory at most, stages judging them and stages waiting for room
 # with them included: they are written to disk only once room is reserved.
 JUDGED_MAX_BYTES = JUDGE_FIRST_MAX * (CONFIG_MAX_BYTES + SIGNATURE_MAX_BYTES)
+# An unsigned adapter listed at most this large, whose room is free without evicting anything,
+# has its weights fetched beside its config rather than after it (one round trip less): a
+# refusal then costs at most this much transfer, deleted with the stage, and evicts nothing.
+BESIDE_MAX_BYTES = 4 * 1024**2
 
 
-_Fetched = dict[str, tuple[FetchedFile, ValueReport | None]]
+# Each file's fetch, and the weights' value scan: finished (a report) by the validation job.
+_Fetched = dict[str, tuple[FetchedFile, ValueScan | ValueReport | None]]
 _InMemory = dict[str, tuple[FetchedFile, bytes]]  # files fetched to be judged before room
 
 
@@ -92,14 +97,20 @@ class _Judged:
         self._files = files
         self._held = held
 
+    def take(self) -> tuple[dict[str, bytes], _Fetched]:
+        """The files' bytes, to be written into the stage's folder (this keeps no reference to
+        them), and what their fetch found."""
+        files = dict(self._files)
+        self._files.clear()
+        return ({name: data for name, (_, data) in files.items()},
+                {name: (fetched, None) for name, (fetched, _) in files.items()})
+
     async def write_into(self, folder: Path) -> _Fetched:
         """Write the files into `folder` (fsynced) and let go of their bytes."""
-        files = dict(self._files)
-        self._files.clear()  # the only other reference to the bytes
-        await asyncio.to_thread(_write_all, folder,
-                                {name: data for name, (_, data) in files.items()})
+        data, fetched = self.take()
+        await asyncio.to_thread(_write_all, folder, data)
         self._held.release()
-        return {name: (fetched, None) for name, (fetched, _) in files.items()}
+        return fetched
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,25 +284,34 @@ class Stager:
             size_bytes = sum(f.size_bytes for f in listing.files)
             self._judge_listed_sizes(adapter_id, listing)
             self._store.fits_budget(adapter_id, size_bytes)
-            async with (self._judge_first(adapter_id, listing) as judged,
-                        self._store.staging(adapter_id) as staging):
-                await staging.reserve(size_bytes, wait_s=answer_by - time.monotonic())
-                # Written only now, within the room just reserved: the budget holds throughout.
-                first = await judged.write_into(staging.path)
+            async with contextlib.AsyncExitStack() as stack:
+                free = self._free_room(adapter_id, listing, size_bytes)
+                if free is None:
+                    judged = await stack.enter_async_context(
+                        self._judge_first(adapter_id, listing))
+                    staging = await stack.enter_async_context(self._store.staging(adapter_id))
+                    await staging.reserve(size_bytes, wait_s=answer_by - time.monotonic())
+                    # Written only now, within the room just reserved: the budget holds
+                    # throughout; before the weights' fetch, so their memory is free during it.
+                    first = await judged.write_into(staging.path)
+                    unwritten: dict[str, bytes] = {}
+                else:
+                    staging = await stack.enter_async_context(
+                        self._store.staging(adapter_id, reserved=free))
+                    judged, rest = await self._judge_beside(adapter_id, listing, staging.path,
+                                                            stack)
+                    # Written by the validation's own job (every file is fetched already).
+                    unwritten, first = judged.take()
+                    first |= rest
                 verdict = judged.verdict
-                fetched, problems = await self._fetch_and_validate(adapter_id, listing,
-                                                                   staging.path, verdict, first)
+                sealed, problems = await self._fetch_and_validate(
+                    adapter_id, listing, staging.path, verdict, first, unwritten)
                 self._count_signature(verdict, problems)
                 if problems:
                     raise self._refuse(adapter_id, problems, listing)
-                passed = Passed(
-                    adapter_id, self._registry.description,
-                    {f.name: FileRecord(f.size_bytes, f.etag, got.crc32, got.sha256)
-                     for f, got in zip(listing.files, fetched, strict=True)},
-                    verdict,
-                    registry_checksums=any(got.registry_crc32 or got.registry_sha256
-                                           for got in fetched))
-                await admit_staged(self._store, staging.path, passed)
+                if sealed is None:
+                    raise AssertionError("a folder without problems is sealed as it is judged")
+                await admit_sealed(self._store, staging.path, sealed)
             elapsed = time.perf_counter() - started
             self._metrics.download_duration.observe(elapsed)
             log.info("staged adapter_id=%s bytes=%d files=%d in %.2fs (%.1f MiB/s)", adapter_id,
@@ -388,6 +408,29 @@ class Stager:
                 self._metrics.signature_verifications.labels(outcome="refused").inc()
             raise self._refuse(adapter_id, problems, listing)
 
+    def _free_room(self, adapter_id: str, listing: Listing, size_bytes: int) -> Reservation | None:
+        """Room held at once for a small unsigned adapter when it is free without evicting
+        anything (its weights are then fetched beside its config); None otherwise."""
+        if (size_bytes > BESIDE_MAX_BYTES
+                or self._rules.signing.rule_for(adapter_id).mode is not SignatureMode.OFF):
+            return None  # a signature is judged before any weights are downloaded
+        return self._store.reserve_free(adapter_id, size_bytes)
+
+    async def _judge_beside(self, adapter_id: str, listing: Listing, staging: Path,
+                            stack: contextlib.AsyncExitStack) -> tuple[_Judged, _Fetched]:
+        """The config judged (`_judge_first`) while the other files are fetched into
+        `staging`, whose room is reserved already; on a refusal their fetch is stopped, and
+        the stage's exit deletes what it wrote and gives the room back."""
+        rest = [f for f in listing.files if f.name != CONFIG_FILE]
+        fetching = asyncio.create_task(self._fetch_all(adapter_id, rest, staging))
+        try:
+            judged = await stack.enter_async_context(self._judge_first(adapter_id, listing))
+            return judged, await fetching
+        except BaseException:
+            fetching.cancel()
+            await asyncio.gather(fetching, return_exceptions=True)
+            raise
+
     @contextlib.asynccontextmanager
     async def _judge_first(self, adapter_id: str, listing: Listing) -> AsyncIterator[_Judged]:
         """Judge what needs no weights, before any room is made: the signature under the
@@ -408,18 +451,14 @@ class Stager:
     async def _judge_fetched(self, adapter_id: str, listing: Listing, rule: Rule,
                              first: list[RemoteFile]) -> tuple[SignatureVerdict, _InMemory]:
         got = await self._fetch_intact(adapter_id, first)
-        signature = got.get(SIGNATURE_FILE)
-        verdict = await asyncio.to_thread(
-            check_signature, rule, adapter_id, signature[1] if signature is not None else None,
-            published_names([f.name for f in listing.files]))
-        if verdict.problems:
-            self._count_signature(verdict, list(verdict.problems))
-            raise self._refuse(adapter_id, list(verdict.problems), listing)
-        if CONFIG_FILE in got:
-            problems = await asyncio.to_thread(judge_config, got[CONFIG_FILE][1], self._rules)
-            if problems:
-                self._count_signature(verdict, problems)
-                raise self._refuse(adapter_id, problems, listing)
+        signature, config = got.get(SIGNATURE_FILE), got.get(CONFIG_FILE)
+        verdict, problems = await asyncio.to_thread(
+            _judge_in_memory, rule, adapter_id, signature[1] if signature is not None else None,
+            published_names([f.name for f in listing.files]),
+            config[1] if config is not None else None, self._rules)
+        if problems:
+            self._count_signature(verdict, problems)
+            raise self._refuse(adapter_id, problems, listing)
         return verdict, got
 
     async def _fetch_intact(self, adapter_id: str, files: list[RemoteFile]) -> _InMemory:
@@ -462,16 +501,19 @@ class Stager:
 
     async def _fetch_and_validate(
         self, adapter_id: str, listing: Listing, staging: Path, verdict: SignatureVerdict,
-        fetched_first: _Fetched,
-    ) -> tuple[list[FetchedFile], list[Problem]]:
+        fetched_first: _Fetched, unwritten: dict[str, bytes],
+    ) -> tuple[AdapterRecord | None, list[Problem]]:
         """Download every file (but those fetched first), then the verdict on the folder, the
-        signature's digests included.
+        signature's digests included, and the record of a folder that passed, written and
+        sealed (`admission.seal`) by the same worker-thread job.
 
         Bytes that differ from the registry's own checksum, a file that cannot be read back,
         or a SHA256SUMS mismatch that a second download does not repeat are faults of the
         transfer, not of the adapter: those files are fetched afresh (FETCH_ATTEMPTS in all),
         and if the fault persists the stage fails with RegistryTransient, which nothing
-        remembers. The tensor values are checked by the download, in the bytes it reads.
+        remembers. The tensor values are checked by the download, in the bytes it reads, and
+        what it could not check is read back by the validation's job. `unwritten`: files
+        fetched into memory, written (and let go) by that job before it validates.
         """
         files = {f.name: f for f in listing.files}
         got = fetched_first | await self._fetch_all(
@@ -482,14 +524,19 @@ class Stager:
                                for problem in _checksum_problems(f.name, got[f.name][0])]
             digests = {name: fetched.sha256 for name, (fetched, _) in got.items()
                        if fetched.sha256 is not None}
-            scanned = {name: report for name, (_, report) in got.items() if report is not None}
-            problems = await asyncio.to_thread(validate_adapter, staging, self._rules,
-                                               sha256=digests, scanned=scanned)
-            problems += check_digests(verdict, adapter_id, digests).problems
+            signed = list(check_digests(verdict, adapter_id, digests).problems)
+            record = None if transfer_faults or signed else self._passed(
+                adapter_id, listing, got, verdict).record()
+            reports, problems, sealed = await asyncio.to_thread(
+                _write_and_validate, staging, dict(unwritten), self._rules, digests,
+                {name: scan for name, (_, scan) in got.items() if scan is not None}, record)
+            unwritten.clear()  # the caller's reference to their bytes: written now
+            got |= {name: (got[name][0], report) for name, report in reports.items()}
+            problems += signed
             suspects = _suspect_files(problems, got, crc_before) | {
                 p.file for p in transfer_faults}
             if not suspects:
-                return [got[f.name][0] for f in listing.files], problems
+                return sealed, problems
             faults = transfer_faults + [p for p in problems if p.file in suspects
                                         or p.code == "read_error"]
             if attempt == FETCH_ATTEMPTS:
@@ -510,6 +557,16 @@ class Stager:
             await asyncio.to_thread(_unlink_all, [staging / name for name in names])
             got.update(await self._fetch_all(adapter_id, [files[n] for n in names], staging))
         raise AssertionError("FETCH_ATTEMPTS is at least 1")
+
+    def _passed(self, adapter_id: str, listing: Listing, got: _Fetched,
+                verdict: SignatureVerdict) -> Passed:
+        fetched = [got[f.name][0] for f in listing.files]
+        return Passed(
+            adapter_id, self._registry.description,
+            {f.name: FileRecord(f.size_bytes, f.etag, one.crc32, one.sha256)
+             for f, one in zip(listing.files, fetched, strict=True)},
+            verdict,
+            registry_checksums=any(one.registry_crc32 or one.registry_sha256 for one in fetched))
 
     async def _fetch_all(
         self, adapter_id: str, files: list[RemoteFile], staging: Path
@@ -534,15 +591,15 @@ class Stager:
 
     async def _fetch_one(
         self, adapter_id: str, file: RemoteFile, dest: Path, count: Callable[[int], None],
-    ) -> tuple[FetchedFile, ValueReport | None]:
+    ) -> tuple[FetchedFile, ValueScan | None]:
         """One file; the weights' tensor values are checked in the chunks the download
-        reads, and what it could not check in flight is read back at the end."""
+        reads (what it could not check in flight is read back by the validation's job)."""
         if file.name != WEIGHTS_FILE:
             return await self._registry.fetch(adapter_id, file, dest, count, sha256=True), None
         scan = ValueScan(file.size_bytes)
         fetched = await self._registry.fetch(adapter_id, file, dest, count, inspect=scan,
                                            sha256=True)
-        return fetched, await asyncio.to_thread(finish_scan, scan, dest)
+        return fetched, scan
 
 
 def _suspect_files(problems: list[Problem], got: _Fetched,
@@ -574,6 +631,33 @@ def _checksum_problems(name: str, got: FetchedFile) -> list[Problem]:
         for algorithm, ours, theirs in pairs
         if theirs is not None and ours != theirs
     ]
+
+
+def _write_and_validate(
+    staging: Path, unwritten: dict[str, bytes], rules: Rules, digests: dict[str, str],
+    scans: dict[str, ValueScan | ValueReport], record: AdapterRecord | None,
+) -> tuple[dict[str, ValueReport], list[Problem], AdapterRecord | None]:
+    """One worker-thread job: files fetched into memory written into the folder, the value
+    scans finished (what the download could not check read back), the folder judged, and,
+    when it passed and `record` is given (nothing else refused the bytes), the record written
+    and the folder sealed."""
+    _write_all(staging, unwritten)
+    reports = {name: scan if isinstance(scan, ValueReport) else finish_scan(scan, staging / name)
+               for name, scan in scans.items()}
+    problems = validate_adapter(staging, rules, sha256=digests, scanned=reports)
+    sealed = seal(staging, record) if record is not None and not problems else None
+    return reports, problems, sealed
+
+
+def _judge_in_memory(rule: Rule, adapter_id: str, signature: bytes | None,
+                     names: set[str], config: bytes | None,
+                     rules: Rules) -> tuple[SignatureVerdict, list[Problem]]:
+    """The signature's verdict, then (if it refuses nothing) the config's problems: one
+    worker-thread job for both."""
+    verdict = check_signature(rule, adapter_id, signature, names)
+    if verdict.problems:
+        return verdict, list(verdict.problems)
+    return verdict, [] if config is None else judge_config(config, rules)
 
 
 def _write_all(folder: Path, files: dict[str, bytes]) -> None:

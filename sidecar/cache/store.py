@@ -174,6 +174,7 @@ class AdapterStore:
         self._trash_pending: list[Path] = []
         self._listener = listener or StoreListener()
         self._deleting: set[asyncio.Future[None]] = set()  # evicted folders being deleted
+        self._admitted_stagings: set[Path] = set()  # renamed into adapters/, until staging() ends
 
     def _new_policy(self, sketch: FrequencySketch) -> EvictionPolicy:
         return make_policy(self._policy_name, max_bytes=self.max_bytes,
@@ -413,18 +414,49 @@ class AdapterStore:
     # ---- budget ------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def staging(self, adapter_id: str) -> AsyncIterator[Staging]:
+    async def staging(self, adapter_id: str, *,
+                      reserved: Reservation | None = None) -> AsyncIterator[Staging]:
         """A fresh folder under `.staging/` for a download of `adapter_id`; no room is held
-        until `Staging.reserve()`. On exit the room is given back and the folder deleted,
-        unless `admit()` renamed it into `adapters/` meanwhile."""
-        path = await asyncio.to_thread(self._new_staging_dir, adapter_id)
-        staging = Staging(adapter_id, path, self)
+        until `Staging.reserve()`, unless `reserved` (from `reserve_free()`) is given. On exit
+        the room is given back and the folder deleted, unless `admit()` renamed it into
+        `adapters/` meanwhile."""
+        try:
+            path = await asyncio.to_thread(self._new_staging_dir, adapter_id)
+        except BaseException:
+            if reserved is not None:
+                self._unreserve(reserved)
+            raise
+        staging = Staging(adapter_id, path, self, reserved)
         try:
             yield staging
         finally:
             if staging.reservation is not None:
                 self._unreserve(staging.reservation)
-            await asyncio.to_thread(remove_tree, path)  # gone already once admitted
+            if path in self._admitted_stagings:  # renamed into `adapters/`: nothing left
+                self._admitted_stagings.discard(path)
+            else:
+                await asyncio.to_thread(remove_tree, path)
+
+    def reserve_free(self, adapter_id: str, size_bytes: int) -> Reservation | None:
+        """Room for a download held at once when it is free now: no download waits for room,
+        no evicted folder waits to be deleted, and the adapter fits the budget and the disk
+        beside every cached adapter and every other download without evicting anything. None
+        otherwise, with nothing changed (`Staging.reserve()` then decides)."""
+        if self._room_waiters or self._trash_pending or self._deleting:
+            return None
+        reserved_bytes = sum(r.size_bytes for r in self._reservations)
+        if (self.total_bytes + reserved_bytes + size_bytes > self.max_bytes
+                or len(self._index) + len(self._reservations) + 1 > self.max_adapters):
+            return None
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return None
+        if free - self.min_free_bytes < reserved_bytes + size_bytes:
+            return None
+        reservation = Reservation(adapter_id, size_bytes)
+        self._reservations.append(reservation)
+        return reservation
 
     def fits_budget(self, adapter_id: str, size_bytes: int) -> None:
         """CacheFull (not retryable) when an adapter of `size_bytes` could never fit the
@@ -662,6 +694,7 @@ class AdapterStore:
                 # is validated; theirs goes to quarantine rather than being overwritten.
                 self.quarantine(final, "replaced by a fresh stage")
             os.rename(staging, final)
+            self._admitted_stagings.add(staging)
             self._index.add_newest(adapter)
         self._restore_budget()
         return adapter

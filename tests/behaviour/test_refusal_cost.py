@@ -146,3 +146,32 @@ async def test_an_adapter_refused_without_its_weights_evicts_and_deletes_nothing
     assert s3.proxy.gets(s3.key("intruder-config", "adapter_config.json")) == []
     for adapter_id in TENANTS:  # still hits
         assert (await stage_ok(http, sidecar, adapter_id, lease=False))["cached"] is True
+
+
+async def test_a_small_adapter_refused_with_free_room_evicts_nothing_and_leaves_nothing(
+    tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession,
+) -> None:
+    # Small and unsigned, with room free without evicting: its weights are fetched beside its
+    # config, within room reserved for them; the refusal is the config's, as it always was.
+    publisher = tmp_path / "publisher"
+    for seed, adapter_id in enumerate(TENANTS):
+        write_adapter(publisher / adapter_id, seed=seed, rank=4)
+        s3.put_folder(adapter_id, publisher / adapter_id)
+    write_adapter(publisher / "small-rank", seed=9, rank=32, target_modules=("q_proj",))
+    s3.put_folder("small-rank", publisher / "small-rank")
+    budget = sum(listed_bytes(publisher / t) for t in TENANTS) + 4 * 1024 * 1024
+    sidecar = await start_sidecar(s3_settings(tmp_path, s3, max_bytes=budget, max_lora_rank=16))
+    for adapter_id in TENANTS:
+        await stage_ok(http, sidecar, adapter_id, lease=False)
+    await sidecar.store.settle_trash()
+    before, evicted_before = volume(sidecar), evictions(sidecar)
+
+    status, body = await call(http, "POST", f"{sidecar.url}/stage", {"adapter_id": "small-rank"})
+
+    assert status == 422, body
+    assert [p["code"] for p in body["problems"]] == ["rank_too_large"], body
+    assert evictions(sidecar) == evicted_before
+    assert volume(sidecar) == before  # nothing in .staging, nothing in .trash
+    assert before[".staging"] == [] and before[".trash"] == []
+    assert sidecar.store.room_bytes() == budget  # its room given back (nothing is leased)
+    assert len(s3.proxy.gets(s3.key("small-rank", WEIGHTS))) <= 1

@@ -259,6 +259,41 @@ async def test_caller_timeout_is_504_and_the_download_goes_on(
     assert len(s3.proxy.gets(s3.key("slow", "adapter_model.safetensors"))) == 1
 
 
+async def test_a_small_adapter_with_free_room_fetches_its_weights_beside_its_config_once_each(
+    tmp_path: Path, s3: S3Registry, start_sidecar: StartSidecar, http: aiohttp.ClientSession
+) -> None:
+    # Its room is free without evicting: the weights' GET is asked while the config's is
+    # still unanswered (held at the registry), not one round trip after it.
+    files = s3.put_adapter("small", rank=4)
+    held: list[Seen] = []
+
+    async def hold_config(request: web.Request, seen: Seen) -> None:
+        if seen.method == "GET" and seen.path.endswith("adapter_config.json"):
+            held.append(seen)
+            await s3.proxy.stall()
+        return None
+
+    s3.proxy.fault = hold_config
+    sidecar = await start_sidecar(s3_settings(tmp_path, s3))
+    try:
+        staging = asyncio.create_task(call(http, "POST", f"{sidecar.url}/stage",
+                                           {"adapter_id": "small"}))
+        await eventually(lambda: s3.proxy.gets(s3.key("small", "adapter_model.safetensors")),
+                         timeout_s=30, what=lambda: f"object GETs: {s3.proxy.gets()}")
+        assert len(held) == 1  # the config's answer had not come yet
+    finally:
+        s3.proxy.fault = None
+        s3.proxy.release_stalls()
+    status, body = await staging
+
+    assert status == 200, body
+    assert {name: len(s3.proxy.gets(s3.key("small", name))) for name in files} == {
+        name: 1 for name in files}
+    assert folder_digest(Path(str(body["local_path"]))) == {
+        name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+    assert leftovers(tmp_path / "cache") == []
+
+
 async def test_stage_that_cannot_fit_the_budget_is_507(
     tmp_path: Path, start_sidecar: StartSidecar, http: aiohttp.ClientSession
 ) -> None:

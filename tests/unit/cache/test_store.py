@@ -168,3 +168,23 @@ def test_an_adapter_larger_than_the_budget_is_refused_before_any_room_is_made(
     with pytest.raises(CacheFull) as raised:
         store.fits_budget("huge", 10**9 + 1)
     assert not raised.value.retryable and store.get("a") is not None
+
+
+async def test_room_is_held_at_once_only_when_nothing_need_be_evicted(tmp_path: Path) -> None:
+    clock = Clock()
+    store = AdapterStore(tmp_path, max_bytes=100, max_adapters=2, min_free_bytes=0,
+                         lease_ttl_s=60.0, metrics=Metrics(CollectorRegistry(), process=False),
+                         max_leases=100, clock=clock, monotonic=clock)
+    store.prepare()
+    (tmp_path / "adapters" / "a").mkdir()
+    store.install([AdapterRecord("a", "test", clock(), {"w": FileRecord(60, "e", "0" * 64)})])
+
+    assert store.reserve_free("big", 41) is None  # only with "a" evicted
+    held = store.reserve_free("small", 40)
+    assert held is not None and store.get("a") is not None
+    assert store.reserve_free("next", 1) is None  # the budget is full with the room held
+    async with store.staging("small", reserved=held) as staging:
+        assert staging.reservation is held and store.room_bytes() == 60
+    assert store.room_bytes() == 100 and list((tmp_path / ".staging").iterdir()) == []
+    # Two adapters at most: "a" and one download.
+    assert store.reserve_free("two", 20) is not None and store.reserve_free("three", 1) is None
