@@ -42,6 +42,7 @@ from .servers import (
     S3Server,
     Supervisor,
     free_port,
+    holding,
     launch_moto,
     s3_env,
     start_s3rver,
@@ -410,24 +411,26 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     sup = Supervisor(work / "logs")
     untimed: list[tuple[str, subprocess.Popen[str]]] = []
-    try:
-        with terminated_as_exit():
-            # --quick: what measures no time runs beside the set-up, and is waited for before
-            # the first timed phase
-            if args.quick:
-                untimed = start_untimed_others()
-            # moto imports for seconds: it starts beside the set-up (--quick: the warm
-            # restart uses it too)
-            moto = launch_moto(sup) if args.quick or args.phases & {"moto", "miss"} else None
-            report = set_up_and_run(args, work, sup, untimed, moto)
-    finally:
-        for _, proc in untimed:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-        sup.stop_all()
-        link.tear_down()
-        shutil.rmtree(args.dest, ignore_errors=True)
+    with holding(args.dest):
+        try:
+            with terminated_as_exit():
+                # --quick: what measures no time runs beside the set-up, and is waited for
+                # before the first timed phase
+                if args.quick:
+                    untimed = start_untimed_others()
+                # moto imports for seconds: it starts beside the set-up (--quick: the warm
+                # restart uses it too)
+                moto = (launch_moto(sup) if args.quick or args.phases & {"moto", "miss"}
+                        else None)
+                report = set_up_and_run(args, work, sup, untimed, moto)
+        finally:
+            for _, proc in untimed:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+            sup.stop_all()
+            link.tear_down()
+            shutil.rmtree(args.dest, ignore_errors=True)
     print(report)
     return 0
 

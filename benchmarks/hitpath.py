@@ -151,7 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     compared = [(label, Path(path)) for label, _, path in
                 (spec.partition("=") for spec in args.compare)]
-    print(compare(args.rounds, args.seconds, args.clients or [8, 64], args.dest, compared))
+    from .servers import holding
+
+    with holding(args.dest):
+        print(compare(args.rounds, args.seconds, args.clients or [8, 64], args.dest, compared))
     return 0
 
 

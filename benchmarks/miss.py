@@ -35,7 +35,7 @@ from sidecar.validation.shapes import ATTENTION_MODULES, TINY_LLAMA
 
 from .adapters import BUCKET, PREFIX, Adapter, AdapterSpec
 from .clients import SidecarStager, s3_client
-from .servers import S3Server, Supervisor
+from .servers import S3Server, Supervisor, holding
 
 SMALL = AdapterSpec("miss-tiny-r16-qkvo", 16, ATTENTION_MODULES, 7)
 COPY_CHUNK_BYTES = 1024 * 1024  # the sidecar's own buffer per range
@@ -323,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     compared = [(label, Path(path)) for label, _, path in
                 (spec.partition("=") for spec in args.compare)]
-    print(compare_small(args.rounds, args.dest, compared, args.registry))
+    with holding(args.dest):
+        print(compare_small(args.rounds, args.dest, compared, args.registry))
     return 0
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 from sidecar.process.examples import write_adapter
 from sidecar.validation.shapes import ModelShapes
 
+from .servers import holding
+
 REPO = Path(__file__).resolve().parent.parent
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -138,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="another checkout to measure beside this one (repeatable)")
     parser.add_argument("--dest", type=Path, default=Path("/dev/shm/lsbench-restart"))
     args = parser.parse_args(argv)
+    with holding(args.dest):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     shutil.rmtree(args.dest, ignore_errors=True)
     args.dest.mkdir(parents=True)
     try:

@@ -6,13 +6,15 @@ benchmark ends for any reason.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -23,6 +25,22 @@ from .tools import Tools
 HERE = Path(__file__).resolve().parent
 S3_ACCESS_KEY = "S3RVER"  # s3rver's built-in account; moto accepts any key
 S3_REGION = "us-east-1"
+
+
+@contextlib.contextmanager
+def holding(dest: Path) -> Iterator[None]:
+    """The benchmark's work folder `dest` held for this run alone: each run empties it at its
+    start and end, so a second run on the same folder would pull it from under the first.
+    That second run stops at once, saying so (a lock file beside the folder)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = dest.parent / f"{dest.name}.lock"
+    with open(lock_path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SystemExit(f"another benchmark run is using {dest} (it holds {lock_path}): "
+                             "wait for it to end, or give this one another --dest") from None
+        yield
 
 
 class Supervisor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,24 @@ def test_the_quick_run_runs_every_benchmark() -> None:
     engine = [line for line in result.stdout.splitlines()
               if line.startswith("Imported, options parsed:")]
     assert engine and "churn" in engine[0] and "new_adapter" in engine[0]
+
+
+def test_a_second_run_on_the_same_work_folder_stops_at_once_and_says_why(tmp_path: Path) -> None:
+    """Each benchmark empties its work folder (--dest) at its start and end: a second run on
+    the same folder would pull it from under the first, so it refuses while the first runs."""
+    dest = tmp_path / "lsbench"
+    first = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; "
+         "from benchmarks.servers import holding\n"
+         f"with holding(Path({str(dest)!r})):\n print('held', flush=True); sys.stdin.read()"],
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout is not None and first.stdout.readline() == "held\n"
+        second = subprocess.run(
+            [sys.executable, "-m", "benchmarks.miss", "--rounds", "1", "--dest", str(dest)],
+            cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert second.returncode != 0
+        assert f"another benchmark run is using {dest}" in second.stderr
+    finally:
+        first.communicate("")
+    assert first.returncode == 0
