@@ -5,7 +5,7 @@ functions the wiring passes in, so they cannot drift from what they show.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from prometheus_client import (
     CollectorRegistry,
@@ -178,29 +178,27 @@ class Metrics:
         )
         self.build.info(build_info() | ({"eviction_policy": eviction_policy}
                                         if eviction_policy else {}))
-        for result in ("hit", "miss", "error"):  # every series exists from the first scrape
-            self.stage_requests.labels(result=result)
-            self.stage_duration.labels(result=result)
-        for reason in ("policy", "manual", "forced", "external"):
-            self.evictions.labels(reason=reason)
-        for outcome in ("verified", "unsigned", "refused"):
-            self.signature_verifications.labels(outcome=outcome)
-        for reason in ("exhausted", "spares_low", "window", "requested", "engine_lost"):
-            self.catalog_compactions.labels(reason=reason)
-        for change in ("bound", "parked", "returned", "burnt"):
-            self.catalog_name_changes.labels(change=change)
-        for operation in REGISTRY_OPERATIONS:
-            self.registry_errors.labels(operation=operation)
-        for outcome in RELOAD_OUTCOMES:
-            self.triton_reloads.labels(outcome=outcome)
-        for state in NAME_STATES:
-            self.catalog_names.labels(state=state)
-        for state in ENGINE_STATES:
-            self.triton_model_state.labels(state=state)
-        for route in TENANT_ROUTES:
-            self.tenant_refusals.labels(route=route)
-        for code in problem_codes:
-            self.validation_failures.labels(reason=code)
+        # Every labelled series exists, at 0, from the first scrape: each family and the
+        # values of its one label.
+        results = ("hit", "miss", "error")
+        declared: list[tuple[Counter | Histogram | Gauge, Iterable[str]]] = [
+            (self.stage_requests, results),
+            (self.stage_duration, results),
+            (self.evictions, ("policy", "manual", "forced", "external")),
+            (self.signature_verifications, ("verified", "unsigned", "refused")),
+            (self.catalog_compactions,
+             ("exhausted", "spares_low", "window", "requested", "engine_lost")),
+            (self.catalog_name_changes, ("bound", "parked", "returned", "burnt")),
+            (self.registry_errors, REGISTRY_OPERATIONS),
+            (self.triton_reloads, RELOAD_OUTCOMES),
+            (self.catalog_names, NAME_STATES),
+            (self.triton_model_state, ENGINE_STATES),
+            (self.tenant_refusals, TENANT_ROUTES),
+            (self.validation_failures, problem_codes),
+        ]
+        for family, values in declared:
+            for value in values:
+                family.labels(value)
         if process:
             ProcessCollector(registry=r)
             PlatformCollector(registry=r)
