@@ -463,7 +463,8 @@ def set_up_and_run(args: argparse.Namespace, work: Path, sup: Supervisor,
     run_phases(ctx, results, before_timed)
     if args.quick:
         assert moto is not None
-        others += quick_timed_others(wait_for_moto(moto), sup.log_dir / "moto.log")
+        others += quick_timed_others(wait_for_moto(moto), sup.log_dir / "moto.log",
+                                     args.dest)
     report = render(results, adapters) + others
     stamp = time.strftime("%Y%m%d-%H%M%S")
     (work / "results").mkdir(exist_ok=True)
@@ -525,15 +526,17 @@ def finish_untimed_others(started: list[tuple[str, subprocess.Popen[str]]]) -> s
     return "\n".join(out) + "\n" if out else ""
 
 
-def quick_timed_others(moto: S3Server, moto_log: Path) -> str:
+def quick_timed_others(moto: S3Server, moto_log: Path, dest: Path) -> str:
     """The restart benchmarks in their small modes, one after the other once the table's
     phases are done (a failure stops the run), the warm restart on the run's moto (idle by
-    then); their tables, for the report."""
+    then), the restart cost in a folder beside `dest` (this run's, not another's); their
+    tables, for the report."""
     out = []
     for title, arguments in QUICK_TIMED:
         log(f"quick: {title}")
         shared = (("--moto-url", moto.endpoint_url, "--moto-log", str(moto_log))
-                  if arguments[0] == "benchmarks.warm_restart" else ())
+                  if arguments[0] == "benchmarks.warm_restart"
+                  else ("--dest", f"{dest}-restart"))
         done = subprocess.run([sys.executable, "-m", *arguments, *shared], cwd=REPO,
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
