@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.fsutil import fsync_dir
+from ..core.fsutil import fsync_dir, write_all
 from ..core.ids import is_valid_adapter_id
 from ..core.logs import fields
 
@@ -188,7 +188,7 @@ class LeaseJournal:
                     data = f"{FORMAT_LINE} boot={self._boot_id}\n".encode() + data
             written = os.write(self._fd, data)  # whole, but for a short write (hit path)
             if written < len(data):
-                _write_all(self._fd, data[written:])
+                write_all(self._fd, data[written:])
         except OSError as exc:
             self.failed = True
             now = self._monotonic()
@@ -288,7 +288,7 @@ class LeaseJournal:
         temp = self.base_path.with_name(f"{self.base_path.name}.new")
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            _write_all(fd, data)
+            write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -328,11 +328,3 @@ def _grant_line(digest: str, adapter_id: str, ttl_s: float, unix_s: float,
     # Whole milliseconds: formatting floats was a measurable share of a grant's cost.
     return (f"G {digest} {adapter_id} {int(ttl_s * 1000)} {int(unix_s * 1000)} "
             f"{int(monotonic_s * 1000)}\n")
-
-
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]

@@ -27,7 +27,7 @@ from ..core.errors import (
     SidecarError,
     StageTimeout,
 )
-from ..core.fsutil import EntryKind, iso_utc
+from ..core.fsutil import EntryKind, iso_utc, write_synced
 from ..core.ids import check_adapter_id
 from ..core.logs import fields
 from ..core.metrics import Metrics
@@ -664,14 +664,7 @@ def _write_all(folder: Path, files: dict[str, bytes]) -> None:
     """Files fetched into memory, written into the staging folder as a download leaves its
     own: created there, whole, and fsynced."""
     for name, data in files.items():
-        fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_synced(folder / name, data, os.O_CREAT | os.O_EXCL)
 
 
 def _unlink_all(paths: list[Path]) -> None:

@@ -52,19 +52,30 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_all(fd: int, data: bytes) -> None:
+    """Every byte of `data` written to `fd`, however short the writes."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def write_synced(path: Path, data: bytes, flags: int) -> None:
+    """`data` written whole into `path` opened with `flags` (besides write-only), and fsynced
+    (blocking: run in a thread)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | flags, 0o644)
+    try:
+        write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def replace_file(path: Path, data: bytes) -> None:
     """Write `data` as `path` whole, or leave the file that was there (blocking: run in a
     thread): written to `<name>.new` beside it, fsynced, renamed over it, the folder fsynced.
     A process killed meanwhile leaves at most that temporary file, for its reader to remove."""
     temporary = path.with_name(f"{path.name}.new")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_synced(temporary, data, os.O_CREAT | os.O_TRUNC)
     os.replace(temporary, path)
     fsync_dir(path.parent)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -110,8 +111,15 @@ def transfer_part_starts(size_bytes: int) -> list[int]:
     return part_starts(size_bytes, TransferPolicy(5 * 1024**2, 3, asyncio.Semaphore(1), 32))
 
 
-def weights_get(seen: Seen) -> bool:
-    return seen.method == "GET" and seen.path.endswith(WEIGHTS) and "list-type" not in seen.query
+def file_get(name: str) -> Callable[[Seen], bool]:
+    """Whether a request the proxy saw is a GET of the file `name` (not a listing)."""
+    def matches(seen: Seen) -> bool:
+        return seen.method == "GET" and seen.path.endswith(name) and "list-type" not in seen.query
+    return matches
+
+
+weights_get = file_get(WEIGHTS)
+config_get = file_get("adapter_config.json")
 
 
 @pytest.mark.parametrize("algorithm", ["CRC32", "SHA256"])
@@ -248,11 +256,6 @@ async def test_a_multipart_uploads_composite_checksum_is_not_taken_for_the_files
 
     assert status == 200, body
     assert record_of(body)[WEIGHTS]["crc32"] == f"{zlib.crc32(weights):08x}"
-
-
-def config_get(seen: Seen) -> bool:
-    return (seen.method == "GET" and seen.path.endswith("adapter_config.json")
-            and "list-type" not in seen.query)
 
 
 @pytest.mark.parametrize("algorithm", ["CRC32", "SHA256"])
