@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import threading
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -136,6 +137,42 @@ async def test_a_read_error_of_a_small_file_is_retried_as_ranges(
     assert not failures
     assert dest.read_bytes() == data
     assert fetched.sha256 == hashlib.sha256(data).hexdigest()
+
+
+class _Held:
+    """An inspector that holds the copy's worker thread at its first chunk until released."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def stream(self, offset: int) -> Callable[[int, memoryview], None]:
+        def look(at: int, chunk: memoryview) -> None:
+            self.entered.set()
+            self.release.wait(10)
+        return look
+
+
+async def test_a_cancelled_copy_returns_only_once_its_worker_thread_has_ended(
+    tmp_path: Path
+) -> None:
+    data = os.urandom(3000)
+    _adapter(tmp_path, {"adapter_model.safetensors": data})
+    registry = _registry(tmp_path)
+    listing = await registry.list_files("a1")
+    held = _Held()
+    dest = tmp_path / "dest"
+    copying = asyncio.create_task(
+        registry.fetch("a1", listing.files[0], dest, lambda _: None, inspect=held))
+    assert await asyncio.to_thread(held.entered.wait, 10)
+    copying.cancel()
+    for _ in range(5):
+        await asyncio.sleep(0)  # turns of the loop: the cancellation is seen meanwhile
+    assert not copying.done()  # the thread still copies: the stage's folder must stay
+    held.release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await copying
+    assert dest.read_bytes() == data  # written whole before the caller went on
 
 
 async def test_a_listing_says_whether_the_folder_or_the_adapter_is_missing(
