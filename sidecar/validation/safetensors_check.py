@@ -5,6 +5,7 @@ library. Tensor values (NaN, infinity) are checked in `values.py`.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from collections.abc import Iterable, Sequence
@@ -86,7 +87,29 @@ def check_safetensors(file: BinaryIO, size_bytes: int, path: Path) -> Safetensor
 
 def parse_header(raw: bytes, size_bytes: int) -> tuple[tuple[TensorInfo, ...] | None, list[Fault]]:
     """The tensors of the header `raw` (the bytes after the 8-byte length) of a file of
-    `size_bytes`, and its faults; the value scan reads the same layout from bytes in flight."""
+    `size_bytes`, and its faults; the value scan reads the same layout from bytes in flight.
+
+    A stage parses its weights' header twice, the value scan in flight and then the validation
+    from disk: the same bytes find the first parse's result (a header up to
+    PARSED_KEY_MAX_BYTES, among the last PARSED_MAX)."""
+    if len(raw) > PARSED_KEY_MAX_BYTES:
+        return _parse(raw, size_bytes)
+    tensors, faults = _parse_remembered(raw, size_bytes)
+    return tensors, list(faults)
+
+
+PARSED_MAX = 8
+PARSED_KEY_MAX_BYTES = 64 * 1024  # a few hundred tensors; the memo holds at most 512 KiB of keys
+
+
+@functools.lru_cache(maxsize=PARSED_MAX)
+def _parse_remembered(raw: bytes,
+                      size_bytes: int) -> tuple[tuple[TensorInfo, ...] | None, tuple[Fault, ...]]:
+    tensors, faults = _parse(raw, size_bytes)
+    return tensors, tuple(faults)
+
+
+def _parse(raw: bytes, size_bytes: int) -> tuple[tuple[TensorInfo, ...] | None, list[Fault]]:
     data_start = 8 + len(raw)
     try:
         text = raw.decode("utf-8")
