@@ -250,11 +250,12 @@ def _size(size_bytes: int) -> str:
 
 
 def local_sidecar(sup: Supervisor, command: list[str], root: Path, cache_root: Path,
-                  env: dict[str, str], extra_args: tuple[str, ...]) -> SidecarStager:
+                  env: dict[str, str], extra_args: tuple[str, ...],
+                  name: str = "sidecar") -> SidecarStager:
     """The sidecar with a local folder as its registry (the S3 flags are left unused)."""
     server = S3Server("local", "http://127.0.0.1:1", None)  # type: ignore[arg-type]
     return SidecarStager(sup, command, server, cache_root, env,
-                         ("--registry", str(root), *extra_args), name="sidecar")
+                         ("--registry", str(root), *extra_args), name=name)
 
 
 def compare_small(rounds: int, dest: Path, compared: list[tuple[str, Path]],
@@ -282,7 +283,7 @@ def compare_small(rounds: int, dest: Path, compared: list[tuple[str, Path]],
             command = [sys.executable, "-P", "-m", "sidecar"]
             name = label if label == "sidecar" else f"sidecar ({label})"
             sides[name] = (local_sidecar(sup, command, work / "adapters",
-                                         dest / f"cache-{label}", env, ()) if moto is None
+                                         dest / f"cache-{label}", env, (), name) if moto is None
                            else SidecarStager(sup, command, moto, dest / f"cache-{label}", env,
                                               name=name))
         sides["bare"] = (BareLocal(work / "adapters", dest / "bare", _policy()) if moto is None

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import time
@@ -81,6 +82,9 @@ JUDGED_MAX_BYTES = JUDGE_FIRST_MAX * (CONFIG_MAX_BYTES + SIGNATURE_MAX_BYTES)
 # has its weights fetched beside its config rather than after it (one round trip less): a
 # refusal then costs at most this much transfer, deleted with the stage, and evicts nothing.
 BESIDE_MAX_BYTES = 4 * 1024**2
+# Without a signature to verify, a config this small is judged on the loop: its parse takes
+# tens of microseconds, a worker thread's hand-off and return a few hundred on a busy machine.
+JUDGE_ON_LOOP_MAX_BYTES = 16 * 1024
 
 
 # Each file's fetch, and the weights' value scan: finished (a report) by the validation job.
@@ -452,10 +456,14 @@ class Stager:
                              first: list[RemoteFile]) -> tuple[SignatureVerdict, _InMemory]:
         got = await self._fetch_intact(adapter_id, first)
         signature, config = got.get(SIGNATURE_FILE), got.get(CONFIG_FILE)
-        verdict, problems = await asyncio.to_thread(
+        config_bytes = config[1] if config is not None else None
+        judge = functools.partial(
             _judge_in_memory, rule, adapter_id, signature[1] if signature is not None else None,
-            published_names([f.name for f in listing.files]),
-            config[1] if config is not None else None, self._rules)
+            published_names([f.name for f in listing.files]), config_bytes, self._rules)
+        if signature is None and len(config_bytes or b"") <= JUDGE_ON_LOOP_MAX_BYTES:
+            verdict, problems = judge()
+        else:
+            verdict, problems = await asyncio.to_thread(judge)
         if problems:
             self._count_signature(verdict, problems)
             raise self._refuse(adapter_id, problems, listing)

@@ -421,7 +421,9 @@ class AdapterStore:
         the room is given back and the folder deleted, unless `admit()` renamed it into
         `adapters/` meanwhile."""
         try:
-            path = await asyncio.to_thread(self._new_staging_dir, adapter_id)
+            # One mkdir, on the loop as admit()'s rename is: a worker thread's hand-off and
+            # return cost a miss more than the call itself.
+            path = self._new_staging_dir(adapter_id)
         except BaseException:
             if reserved is not None:
                 self._unreserve(reserved)

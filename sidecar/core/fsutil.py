@@ -52,7 +52,7 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes | memoryview) -> None:
     """Every byte of `data` written to `fd`, however short the writes."""
     view = memoryview(data)
     while view:

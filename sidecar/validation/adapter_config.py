@@ -4,6 +4,7 @@ checked against what the served vLLM engine loads correctly (checklist A3, B1-B1
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -87,7 +88,30 @@ def check_adapter_config(
     base_model: str | None,
 ) -> tuple[list[Fault], LoraConfig | None]:
     """The faults of a config file's bytes, and what the tensor checks need from it (None when
-    it is not a JSON object at all)."""
+    it is not a JSON object at all).
+
+    A stage judges its config twice, in memory before room is reserved and then from disk with
+    the folder: the same bytes under the same rules find the first result (a config up to
+    CHECKED_KEY_MAX_BYTES, among the last CHECKED_MAX)."""
+    if len(data) > CHECKED_KEY_MAX_BYTES:
+        return _check(data, max_lora_rank, allowed_target_modules, base_model)
+    faults, config = _check_remembered(data, max_lora_rank, allowed_target_modules, base_model)
+    return list(faults), config
+
+
+CHECKED_MAX = 8
+CHECKED_KEY_MAX_BYTES = 16 * 1024  # a LoRA config is a few hundred bytes
+
+
+@functools.lru_cache(maxsize=CHECKED_MAX)
+def _check_remembered(data: bytes, max_lora_rank: int, allowed_target_modules: frozenset[str],
+                      base_model: str | None) -> tuple[tuple[Fault, ...], LoraConfig | None]:
+    faults, config = _check(data, max_lora_rank, allowed_target_modules, base_model)
+    return tuple(faults), config
+
+
+def _check(data: bytes, max_lora_rank: int, allowed_target_modules: frozenset[str],
+           base_model: str | None) -> tuple[list[Fault], LoraConfig | None]:
     try:
         config = json.loads(
             data.decode("utf-8"),

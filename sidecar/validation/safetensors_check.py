@@ -5,6 +5,7 @@ library. Tensor values (NaN, infinity) are checked in `values.py`.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from collections.abc import Iterable, Sequence
@@ -86,7 +87,29 @@ def check_safetensors(file: BinaryIO, size_bytes: int, path: Path) -> Safetensor
 
 def parse_header(raw: bytes, size_bytes: int) -> tuple[tuple[TensorInfo, ...] | None, list[Fault]]:
     """The tensors of the header `raw` (the bytes after the 8-byte length) of a file of
-    `size_bytes`, and its faults; the value scan reads the same layout from bytes in flight."""
+    `size_bytes`, and its faults; the value scan reads the same layout from bytes in flight.
+
+    A stage parses its weights' header twice, the value scan in flight and then the validation
+    from disk: the same bytes find the first parse's result (a header up to
+    PARSED_KEY_MAX_BYTES, among the last PARSED_MAX)."""
+    if len(raw) > PARSED_KEY_MAX_BYTES:
+        return _parse(raw, size_bytes)
+    tensors, faults = _parse_remembered(raw, size_bytes)
+    return tensors, list(faults)
+
+
+PARSED_MAX = 8
+PARSED_KEY_MAX_BYTES = 64 * 1024  # a few hundred tensors; the memo holds at most 512 KiB of keys
+
+
+@functools.lru_cache(maxsize=PARSED_MAX)
+def _parse_remembered(raw: bytes,
+                      size_bytes: int) -> tuple[tuple[TensorInfo, ...] | None, tuple[Fault, ...]]:
+    tensors, faults = _parse(raw, size_bytes)
+    return tensors, tuple(faults)
+
+
+def _parse(raw: bytes, size_bytes: int) -> tuple[tuple[TensorInfo, ...] | None, list[Fault]]:
     data_start = 8 + len(raw)
     try:
         text = raw.decode("utf-8")
@@ -210,43 +233,46 @@ def _check_metadata(entry: object) -> list[Fault]:
 def _check_entry(
     name: str, entry: object
 ) -> tuple[TensorInfo | None, tuple[int, int] | None, list[Fault]]:
-    label = f"tensor `{shown(name)}`"
-    if not _encodable(name):
+    if not (name.isascii() or _encodable(name)):
         return None, None, [("safetensors_header_invalid",
-                             f"{label}: the name is not valid Unicode")]
+                             f"{_label(name)}: the name is not valid Unicode")]
     if not isinstance(entry, _JsonObject):
-        return None, None, [("safetensors_header_invalid", f"{label}: the entry is not an object")]
+        return None, None, [("safetensors_header_invalid",
+                             f"{_label(name)}: the entry is not an object")]
     faults: list[Fault] = []
     if entry.duplicates:
-        faults.append(("safetensors_header_invalid", f"{label}: duplicate field "
+        faults.append(("safetensors_header_invalid", f"{_label(name)}: duplicate field "
                        f"`{shown(entry.duplicates[0])}`"))
-    unknown = sorted(set(entry) - _ENTRY_KEYS)
-    if unknown:
-        # The reference reader ignores extra keys (D13c); another parser might not.
-        faults.append(("safetensors_unknown_key", f"{label}: unknown key "
-                       f"`{shown(unknown[0])}` (only dtype, shape and data_offsets are allowed)"))
-    missing = sorted(_ENTRY_KEYS - set(entry))
-    if missing:
-        faults.append(("safetensors_header_invalid", f"{label}: missing field `{missing[0]}`"))
+    if entry.keys() != _ENTRY_KEYS:  # the usual entry has exactly these: no sets to sort
+        unknown = sorted(entry.keys() - _ENTRY_KEYS)
+        if unknown:
+            # The reference reader ignores extra keys (D13c); another parser might not.
+            faults.append(("safetensors_unknown_key", f"{_label(name)}: unknown key "
+                           f"`{shown(unknown[0])}` (only dtype, shape and data_offsets are "
+                           "allowed)"))
+        missing = sorted(_ENTRY_KEYS - entry.keys())
+        if missing:
+            faults.append(("safetensors_header_invalid",
+                           f"{_label(name)}: missing field `{missing[0]}`"))
 
     dtype = entry.get("dtype")
     dtype_ok = isinstance(dtype, str) and dtype in DTYPE_BITS
     if "dtype" in entry and not dtype_ok:
-        faults.append(("safetensors_unknown_dtype", f"{label}: unknown dtype "
+        faults.append(("safetensors_unknown_dtype", f"{_label(name)}: unknown dtype "
                        f"{shown(json.dumps(dtype))}, expected one of {', '.join(DTYPE_BITS)}"))
     elif dtype_ok and dtype not in ALLOWED_DTYPES:
-        faults.append(("safetensors_dtype_not_allowed", f"{label}: dtype {dtype} is not "
+        faults.append(("safetensors_dtype_not_allowed", f"{_label(name)}: dtype {dtype} is not "
                        f"allowed in an adapter (only {', '.join(sorted(ALLOWED_DTYPES))})"))
 
     shape = _u64_list(entry.get("shape"))
     if "shape" in entry and shape is None:
-        faults.append(("safetensors_invalid_shape", f"{label}: the shape must be a list of "
+        faults.append(("safetensors_invalid_shape", f"{_label(name)}: the shape must be a list of "
                        f"integers from 0 to 2**64-1, got {shown(json.dumps(entry['shape']))}"))
     offsets = _u64_list(entry.get("data_offsets"))
     if offsets is None or len(offsets) != 2:
         if "data_offsets" in entry:
-            faults.append(("safetensors_invalid_offsets", f"{label}: data_offsets must be two "
-                           "integers from 0 to 2**64-1, got "
+            faults.append(("safetensors_invalid_offsets", f"{_label(name)}: data_offsets must "
+                           "be two integers from 0 to 2**64-1, got "
                            f"{shown(json.dumps(entry['data_offsets']))}"))
         return None, None, faults
     begin, end = offsets
@@ -255,13 +281,18 @@ def _check_entry(
     assert isinstance(dtype, str)
     bits = DTYPE_BITS[dtype] * _product(shape)
     if bits > _MAX_U64 or bits % 8:
-        faults.append(("safetensors_size_mismatch", f"{label}: invalid shape, data type, or "
+        faults.append(("safetensors_size_mismatch", f"{_label(name)}: invalid shape, data type, or "
                        f"offset: {shape} of {dtype} is not a whole number of bytes in range"))
     elif end >= begin and end - begin != bits // 8:
-        faults.append(("safetensors_size_mismatch", f"{label}: invalid shape, data type, or "
+        faults.append(("safetensors_size_mismatch", f"{_label(name)}: invalid shape, data type, or "
                        f"offset: {shape} of {dtype} needs {bits // 8} bytes, the offsets give "
                        f"{end - begin}"))
     return TensorInfo(name, dtype, tuple(shape), begin, end), (begin, end), faults
+
+
+def _label(name: str) -> str:
+    """How a fault names a tensor (built only when there is a fault)."""
+    return f"tensor `{shown(name)}`"
 
 
 def _check_layout(offsets: list[tuple[int, int, str]], data_bytes: int) -> list[Fault]:

@@ -215,7 +215,7 @@ ERROR_CAUSES: dict[tuple[str, str], str] = {
     ("registry_transient", "cache/stager.py:_fetch_intact"): "damaged on every download",
     ("registry_unavailable", "registry/httpranges.py:_refusal"): "unreachable",
     ("registry_unavailable", "registry/httpranges.py:fault"): "unreachable",
-    ("registry_unavailable", "registry/local.py:probe"): "unreachable",
+    ("registry_unavailable", "registry/local.py:_check_root"): "unreachable",
     ("registry_unavailable", "registry/local.py:readinto"): "unreachable",
     ("registry_unavailable", "registry/s3_client.py:_translate"): "unreachable",
     ("registry_unavailable", "registry/s3_client.py:_transfer"): "unreachable",
