@@ -63,6 +63,10 @@ retryable) and other SidecarErrors for final ones."""
 
 CHUNK_BYTES = 1024 * 1024  # read into one buffer, then one pwrite: few system calls, small RAM
 READ_BACK_BYTES = 1024 * 1024  # the hasher's one buffer for bytes read back from the file
+# How far the contiguous bytes may run ahead of the SHA-256 before the other range threads
+# wait for it: a fair scheduler gives the one hashing thread a 33rd of the CPU beside 32
+# copying ones, and the hash, left to finish after the last byte, became the stage's tail.
+HASH_LAG_BYTES = 32 * 1024 * 1024
 # No finer ranges than this when spreading a file out. Each GET has a fixed cost at the server:
 # against s3rver on loopback, 27 ranges of 1 MiB staged a 27 MB file in 0.11-0.13 s where 13
 # of 2 MiB took 0.08-0.10 s, and on the shaped link both took 0.17 s (4 MiB: 0.26 s).
@@ -150,10 +154,12 @@ class _PrefixHash:
     worker thread extends it. The range thread whose chunk lands at the hashed offset hashes it
     in the buffer it landed in, and goes on over whatever other ranges wrote beyond it meanwhile
     (read back: they have left memory) until the prefix ends; a thread whose chunk lands beyond
-    the prefix only records it. So the digest follows the bytes as they arrive, not a job
-    queued behind the ranges' own, and an object that arrives in order is never read back.
+    the prefix only records it, and waits while the hash is more than HASH_LAG_BYTES behind.
+    So the digest follows the bytes as they arrive, and an object that arrives in order is
+    never read back.
 
-    One owner: `_lock` guards `_written`, `_frontier`, `_hashed`, `_enabled` and `_owner`; only
+    One owner: `_lock` guards `_written`, `_frontier`, `_hashed`, `_enabled`, `_owner` and
+    `_failed`; only
     the thread that set `_owner` (under the lock) feeds `_digest` and calls `_read_back`, over
     [_hashed, contiguous end) and nothing else, so each byte is hashed once and in order. A
     retried range resumes at the end of what it wrote, never rewriting a byte; a chunk is
@@ -164,12 +170,14 @@ class _PrefixHash:
     def __init__(self, starts: list[int], ends: list[int], read_back: ReadBack,
                  enabled: bool) -> None:
         self._lock = threading.Lock()
+        self._caught_up = threading.Condition(self._lock)  # the owner hashed, let go or failed
         self._ends = ends
         self._written = list(starts)  # per part, the end of its bytes written so far
         self._frontier = 0  # the first part not entirely written (or the last part)
         self._hashed = 0
         self._enabled = enabled
         self._owner = False
+        self._failed = False
         self._digest = hashlib.sha256()
         self._read_back = read_back
 
@@ -184,6 +192,8 @@ class _PrefixHash:
         with self._lock:
             self._written[part] = offset + len(chunk)
             start = self._claim()
+            if start is None:
+                self._keep_pace()
         if start is not None:
             self._advance(start, chunk, offset)
 
@@ -196,7 +206,7 @@ class _PrefixHash:
         if start is not None:
             self._advance(start, memoryview(b""), 0)
         with self._lock:
-            if self._owner or self._hashed != self._ends[-1]:
+            if self._failed or self._owner or self._hashed != self._ends[-1]:
                 raise RuntimeError(f"hashed {self._hashed} of {self._ends[-1]} bytes")
         return self._digest.hexdigest()
 
@@ -206,26 +216,41 @@ class _PrefixHash:
             self._frontier += 1
         return self._written[self._frontier]
 
+    def _keep_pace(self) -> None:  # under the lock, in a thread that is not the owner
+        """Wait while the hash is more than HASH_LAG_BYTES behind the contiguous bytes. The
+        owner never waits, and wakes every waiter once it is half that behind, lets go or
+        fails; the bytes it hashes are written already, so it never waits for a waiter."""
+        while self._lagging(HASH_LAG_BYTES):
+            self._caught_up.wait()
+
+    def _lagging(self, lag_bytes: int) -> bool:  # under the lock
+        return (self._owner and not self._failed
+                and self._contiguous_end() - self._hashed > lag_bytes)
+
     def _claim(self) -> int | None:  # under the lock
         """Become the owner if there is something to hash and no owner: where to start."""
-        if self._owner or not self._enabled or self._contiguous_end() <= self._hashed:
+        if (self._owner or self._failed or not self._enabled
+                or self._contiguous_end() <= self._hashed):
             return None
         self._owner = True
         return self._hashed
 
     def _advance(self, hashed: int, chunk: memoryview, chunk_offset: int) -> None:
         """As the owner, from `hashed`: hash up to the contiguous end until it stops moving,
-        then let go. After an error it never lets go: the digest is unusable, the download
+        then let go. After an error the hash has failed: the digest is unusable, the download
         fails."""
         chunk_end = chunk_offset + len(chunk)
-        while True:
-            with self._lock:
-                self._hashed = hashed
-                upto = self._contiguous_end()
-                if upto <= hashed:
-                    self._owner = False
-                    return
-            while hashed < upto:
+        try:
+            while True:
+                with self._lock:
+                    self._hashed = hashed
+                    upto = self._contiguous_end()
+                    if upto <= hashed:
+                        self._owner = False
+                        self._caught_up.notify_all()
+                        return
+                    if not self._lagging(HASH_LAG_BYTES // 2):
+                        self._caught_up.notify_all()
                 if chunk_offset <= hashed < chunk_end:  # still in this thread's buffer
                     piece = chunk[hashed - chunk_offset:min(upto, chunk_end) - chunk_offset]
                 else:
@@ -233,6 +258,11 @@ class _PrefixHash:
                     piece = self._read_back(hashed, min(stop - hashed, READ_BACK_BYTES))
                 self._digest.update(piece)
                 hashed += len(piece)
+        except BaseException:
+            with self._lock:
+                self._failed = True
+                self._caught_up.notify_all()
+            raise
 
 
 class _FileReadBack:

@@ -405,6 +405,68 @@ async def test_ranges_that_land_beyond_the_prefix_are_read_back_once_each_when_i
     assert reads[-1][0] + reads[-1][1] == len(data)
 
 
+async def test_ranges_wait_while_the_hash_is_more_than_its_lag_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The hashing thread is held in a read-back (a slow disk, or a scheduler that gives it a
+    # 33rd of the CPU beside 32 copying threads): the other ranges stop once the contiguous
+    # bytes run HASH_LAG_BYTES ahead of it, rather than leave it all to hash after the last.
+    monkeypatch.setattr(transfer, "HASH_LAG_BYTES", 200_000)
+    loop = asyncio.get_running_loop()
+    gate = _Gate(loop)
+    owner_reads = threading.Event()
+    real_read = transfer._FileReadBack.__call__
+
+    def held_read(self: transfer._FileReadBack, offset: int, length: int) -> memoryview:
+        if not gate.proceed.is_set():
+            owner_reads.set()
+            gate.hold()
+        return real_read(self, offset, length)
+
+    monkeypatch.setattr(transfer._FileReadBack, "__call__", held_read)
+    waiting = asyncio.Event()
+    real_keep_pace = transfer._PrefixHash._keep_pace
+
+    def noted_keep_pace(self: transfer._PrefixHash) -> None:
+        if self._lagging(transfer.HASH_LAG_BYTES):
+            loop.call_soon_threadsafe(waiting.set)
+        real_keep_pace(self)
+
+    monkeypatch.setattr(transfer._PrefixHash, "_keep_pace", noted_keep_pace)
+    data = os.urandom(3_000_000)
+    first_may_read = threading.Event()
+
+    # Two ranges at a time, in order: the second lands first; then the first, whose thread
+    # hashes its own bytes and reads the second's back (held there); then the rest.
+    def open_range(start: int, end: int) -> _BytesRange:
+        if start == 0:
+            return _HeldBack(data, start, end, first_may_read)
+        if start >= 200_000:
+            return _HeldBack(data, start, end, owner_reads)
+        return _BytesRange(data, start, end)
+
+    with transfer.transfer_executor(4) as executor:
+        policy = transfer.TransferPolicy(100_000, 1, asyncio.Semaphore(2), 2, executor)
+        reported = [0]
+
+        def on_bytes(count: int) -> None:
+            reported[0] += count
+            if reported[0] == 100_000:
+                first_may_read.set()
+
+        download = asyncio.create_task(transfer.download(
+            open_range, tmp_path / "f", len(data), policy, on_bytes, sha256=True))
+        await asyncio.wait_for(gate.entered.wait(), 10)  # the hash is held at 100 KB
+        await asyncio.wait_for(waiting.wait(), 10)  # and a range waits for it
+        # The second range and the third (contiguous: 300 KB, 200 KB ahead) passed; the
+        # fourth (300 KB ahead) waits, and nothing after it has started.
+        assert reported[0] == 200_000
+        gate.proceed.set()
+        got = await download
+    assert got.sha256 == hashlib.sha256(data).hexdigest()
+    assert (tmp_path / "f").read_bytes() == data
+
+
 class _Jittery(_BytesRange):
     """A range that hands over a few random bytes at a time, yielding the GIL between reads,
     so the ranges' chunks land interleaved in an order that differs from run to run."""
