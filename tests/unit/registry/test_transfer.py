@@ -476,7 +476,7 @@ class _Jittery(_BytesRange):
         self._rng = rng
 
     def readinto(self, buffer: memoryview) -> int:
-        time.sleep(0)
+        time.sleep(0)  # not a wait: gives the GIL to another range, as a socket read would
         return super().readinto(buffer[:self._rng.randint(1, 40_000)])
 
 
