@@ -159,12 +159,11 @@ class _PrefixHash:
     never read back.
 
     One owner: `_lock` guards `_written`, `_frontier`, `_hashed`, `_enabled`, `_owner` and
-    `_failed`; only
-    the thread that set `_owner` (under the lock) feeds `_digest` and calls `_read_back`, over
-    [_hashed, contiguous end) and nothing else, so each byte is hashed once and in order. A
-    retried range resumes at the end of what it wrote, never rewriting a byte; a chunk is
-    hashed after it is written and before the value check may overwrite it. A download whose
-    bytes fail the registry's checksum is fetched again with a hasher of its own.
+    `_failed`; only the thread that set `_owner` (under the lock) feeds `_digest` and calls
+    `_read_back`, over [_hashed, contiguous end) and nothing else, so each byte is hashed once
+    and in order. A retried range resumes at the end of what it wrote, never rewriting a byte;
+    a chunk is hashed after it is written and before the value check may overwrite it. A
+    download whose bytes fail the registry's checksum is fetched again with a hasher of its own.
     """
 
     def __init__(self, starts: list[int], ends: list[int], read_back: ReadBack,
