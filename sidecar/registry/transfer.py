@@ -1,8 +1,9 @@
 """Download one object into a pre-sized file (or, a small one, into memory): parallel ranged
 parts written with positional writes, a CRC-32 of each part computed from the bytes as they
 land (combined into the file's), SHA-256 in order alongside when asked for, retries per part.
-An object fetched as one range is hashed in the buffer its bytes land in; a larger one is read
-back in order from the page cache.
+The SHA-256 advances in the worker threads over the object's contiguous prefix: a chunk that
+lands at the hashed offset is hashed in the buffer it landed in; bytes that landed beyond the
+prefix are read back once it reaches them (`_PrefixHash`).
 
 Knows nothing of S3: the registry hands in `open_range`, which opens one ranged read. The bytes
 move in worker threads (socket -> buffer -> file, the GIL released in each system call), so
@@ -61,7 +62,11 @@ worker thread. Raises RegistryUnavailable for transient faults (retried here unl
 retryable) and other SidecarErrors for final ones."""
 
 CHUNK_BYTES = 1024 * 1024  # read into one buffer, then one pwrite: few system calls, small RAM
-HASH_CHUNK_BYTES = 4 * 1024 * 1024
+READ_BACK_BYTES = 1024 * 1024  # the hasher's one buffer for bytes read back from the file
+# How far the contiguous bytes may run ahead of the SHA-256 before the other range threads
+# wait for it: a fair scheduler gives the one hashing thread a 33rd of the CPU beside 32
+# copying ones, and the hash, left to finish after the last byte, became the stage's tail.
+HASH_LAG_BYTES = 32 * 1024 * 1024
 # No finer ranges than this when spreading a file out. Each GET has a fixed cost at the server:
 # against s3rver on loopback, 27 ranges of 1 MiB staged a 27 MB file in 0.11-0.13 s where 13
 # of 2 MiB took 0.08-0.10 s, and on the shaped link both took 0.17 s (4 MiB: 0.26 s).
@@ -127,14 +132,9 @@ class _Progress:
         self.ends = [*starts[1:], size_bytes]
         self.done_upto = list(self.starts)
         self.crc32 = [0] * len(starts)  # of each part's bytes below done_upto
-        self.changed = asyncio.Event()
-        # The SHA-256 of an object fetched as one range, fed in the worker thread with each
-        # chunk as it lands (in order, across retries): no second read, no job of its own.
-        self.inband: hashlib._Hash | None = None
 
     def advance(self, part: int, offset: int) -> None:
         self.done_upto[part] = offset
-        self.changed.set()
 
     def whole_crc32(self) -> int:
         """The object's CRC-32, combined from its parts' once every part is done."""
@@ -143,12 +143,142 @@ class _Progress:
             crc = crc32_combine(crc, self.crc32[part], self.ends[part] - self.starts[part])
         return crc
 
-    def contiguous_end(self) -> int:
-        """Offset below which every byte is written."""
-        for part, end in enumerate(self.ends):
-            if self.done_upto[part] < end:
-                return self.done_upto[part]
-        return self.ends[-1]
+
+ReadBack = Callable[[int, int], memoryview]
+"""read_back(offset, length): the object's bytes [offset, offset + length), already written,
+as a view valid until the next call (from the file, or the buffer of a download into memory)."""
+
+
+class _PrefixHash:
+    """The SHA-256 of one download, advanced over the object's contiguous prefix by whichever
+    worker thread extends it. The range thread whose chunk lands at the hashed offset hashes it
+    in the buffer it landed in, and goes on over whatever other ranges wrote beyond it meanwhile
+    (read back: they have left memory) until the prefix ends; a thread whose chunk lands beyond
+    the prefix only records it, and waits while the hash is more than HASH_LAG_BYTES behind.
+    So the digest follows the bytes as they arrive, and an object that arrives in order is
+    never read back.
+
+    One owner: `_lock` guards `_written`, `_frontier`, `_hashed`, `_enabled`, `_owner` and
+    `_failed`; only the thread that set `_owner` (under the lock) feeds `_digest` and calls
+    `_read_back`, over [_hashed, contiguous end) and nothing else, so each byte is hashed once
+    and in order. A retried range resumes at the end of what it wrote, never rewriting a byte;
+    a chunk is hashed after it is written and before the value check may overwrite it. A
+    download whose bytes fail the registry's checksum is fetched again with a hasher of its own.
+    """
+
+    def __init__(self, starts: list[int], ends: list[int], read_back: ReadBack,
+                 enabled: bool) -> None:
+        self._lock = threading.Lock()
+        self._caught_up = threading.Condition(self._lock)  # the owner hashed, let go or failed
+        self._ends = ends
+        self._written = list(starts)  # per part, the end of its bytes written so far
+        self._frontier = 0  # the first part not entirely written (or the last part)
+        self._hashed = 0
+        self._enabled = enabled
+        self._owner = False
+        self._failed = False
+        self._digest = hashlib.sha256()
+        self._read_back = read_back
+
+    def enable(self) -> None:
+        """Start hashing (a SHA-256 wanted once the bytes already flow): the next chunk to
+        land, or `finish`, catches up from the first byte."""
+        with self._lock:
+            self._enabled = True
+
+    def landed(self, part: int, offset: int, chunk: memoryview) -> None:
+        """From the range thread that has just written `chunk` at `offset` and still holds it."""
+        with self._lock:
+            self._written[part] = offset + len(chunk)
+            start = self._claim()
+            if start is None:
+                self._keep_pace()
+        if start is not None:
+            self._advance(start, chunk, offset)
+
+    def finish(self) -> str:
+        """Once every range is written and no thread lands any more: hash what is left (all of
+        it if the hash was enabled late) and return the digest."""
+        with self._lock:
+            self._enabled = True
+            start = self._claim()
+        if start is not None:
+            self._advance(start, memoryview(b""), 0)
+        with self._lock:
+            if self._failed or self._owner or self._hashed != self._ends[-1]:
+                raise RuntimeError(f"hashed {self._hashed} of {self._ends[-1]} bytes")
+        return self._digest.hexdigest()
+
+    def _contiguous_end(self) -> int:  # under the lock
+        last = len(self._ends) - 1
+        while self._frontier < last and self._written[self._frontier] == self._ends[self._frontier]:
+            self._frontier += 1
+        return self._written[self._frontier]
+
+    def _keep_pace(self) -> None:  # under the lock, in a thread that is not the owner
+        """Wait while the hash is more than HASH_LAG_BYTES behind the contiguous bytes. The
+        owner never waits, and wakes every waiter once it is half that behind, lets go or
+        fails; the bytes it hashes are written already, so it never waits for a waiter."""
+        while self._lagging(HASH_LAG_BYTES):
+            self._caught_up.wait()
+
+    def _lagging(self, lag_bytes: int) -> bool:  # under the lock
+        return (self._owner and not self._failed
+                and self._contiguous_end() - self._hashed > lag_bytes)
+
+    def _claim(self) -> int | None:  # under the lock
+        """Become the owner if there is something to hash and no owner: where to start."""
+        if (self._owner or self._failed or not self._enabled
+                or self._contiguous_end() <= self._hashed):
+            return None
+        self._owner = True
+        return self._hashed
+
+    def _advance(self, hashed: int, chunk: memoryview, chunk_offset: int) -> None:
+        """As the owner, from `hashed`: hash up to the contiguous end until it stops moving,
+        then let go. After an error the hash has failed: the digest is unusable, the download
+        fails."""
+        chunk_end = chunk_offset + len(chunk)
+        try:
+            while True:
+                with self._lock:
+                    self._hashed = hashed
+                    upto = self._contiguous_end()
+                    if upto <= hashed:
+                        self._owner = False
+                        self._caught_up.notify_all()
+                        return
+                    if not self._lagging(HASH_LAG_BYTES // 2):
+                        self._caught_up.notify_all()
+                if chunk_offset <= hashed < chunk_end:  # still in this thread's buffer
+                    piece = chunk[hashed - chunk_offset:min(upto, chunk_end) - chunk_offset]
+                else:
+                    stop = chunk_offset if hashed < chunk_offset < upto else upto
+                    piece = self._read_back(hashed, min(stop - hashed, READ_BACK_BYTES))
+                self._digest.update(piece)
+                hashed += len(piece)
+        except BaseException:
+            with self._lock:
+                self._failed = True
+                self._caught_up.notify_all()
+            raise
+
+
+class _FileReadBack:
+    """Reads written bytes back from the file, into one buffer made on first use (only the
+    hasher's owner calls it: one call at a time)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._buffer: memoryview | None = None
+
+    def __call__(self, offset: int, length: int) -> memoryview:
+        if self._buffer is None:
+            self._buffer = memoryview(bytearray(READ_BACK_BYTES))
+        view = self._buffer[:length]
+        if os.preadv(self._fd, [view], offset) != length:
+            raise OSError(f"short read at byte {offset} while hashing")
+        return view
 
 
 class _Threads:
@@ -257,7 +387,7 @@ async def download(
     """Write the object to `dest` (created, pre-sized) and return its checksums.
 
     `sha256` says whether to compute a SHA-256 too; it may be a future that answers while
-    the bytes already flow (the hash reads what is on disk in order and catches up).
+    the bytes already flow (the hash then catches up from the first byte, read back).
     `inspect` sees every chunk in the worker thread that wrote it. `owned_fds` (descriptors
     the ranges read from) are closed here, once no worker thread uses them. The file is
     fsynced before returning. On any error the partial file is left for the caller to delete
@@ -273,24 +403,21 @@ async def download(
     tasks: list[asyncio.Task[Any]] = []
     try:
         progress = _Progress(size_bytes, part_starts(size_bytes, policy))
-        if len(progress.starts) == 1 and sha256 is True:
-            progress.inband = hashlib.sha256()
-            sha256 = False  # the one range hashes its own bytes
-        hasher = asyncio.create_task(
-            _hash_if_wanted(sha256, dest, size_bytes, progress, threads))
-        tasks.append(hasher)
+        hasher = _PrefixHash(progress.starts, progress.ends, _FileReadBack(fd),
+                             enabled=sha256 is True)
+        if not isinstance(sha256, bool):
+            sha256.add_done_callback(functools.partial(_enable_if_wanted, hasher))
         write = functools.partial(_write_at, fd)
-        parts = [
+        tasks.extend(
             asyncio.create_task(
-                _fetch_part(open_range, write, i, progress, policy, threads, on_bytes, inspect)
+                _fetch_part(open_range, write, i, progress, policy, threads, on_bytes, inspect,
+                            hasher)
             )
             for i in range(len(progress.starts))
-        ]
-        tasks.extend(parts)
-        await asyncio.gather(*parts)
-        digest = await hasher
-        if progress.inband is not None:
-            digest = progress.inband.hexdigest()
+        )
+        await asyncio.gather(*tasks)
+        wanted = sha256 if isinstance(sha256, bool) else await sha256
+        digest = await threads.run(hasher.finish) if wanted else None
         await threads.run(os.fsync, fd)
         return Digests(progress.whole_crc32(), digest)
     finally:
@@ -319,21 +446,19 @@ async def download_bytes(
     is reserved; the caller bounds `size_bytes` (it is allocated at once)."""
     threads = _Threads(policy.executor)
     buffer = bytearray(size_bytes)
+    view = memoryview(buffer)
     progress = _Progress(size_bytes, part_starts(size_bytes, policy))
-    if len(progress.starts) == 1:
-        progress.inband = hashlib.sha256()
-    write = functools.partial(_put, memoryview(buffer))
+    hasher = _PrefixHash(progress.starts, progress.ends,
+                         lambda offset, length: view[offset:offset + length], enabled=True)
+    write = functools.partial(_put, view)
     parts = [
         asyncio.create_task(
-            _fetch_part(open_range, write, i, progress, policy, threads, on_bytes, None))
+            _fetch_part(open_range, write, i, progress, policy, threads, on_bytes, None, hasher))
         for i in range(len(progress.starts))
     ]
     try:
         await asyncio.gather(*parts)
-        if progress.inband is not None:
-            digest = progress.inband.hexdigest()
-        else:
-            digest = await threads.run(_sha256_hex, buffer)
+        digest = await threads.run(hasher.finish)
         return bytes(buffer), Digests(progress.whole_crc32(), digest)
     finally:
         for task in parts:
@@ -350,8 +475,9 @@ def _put(buffer: memoryview, chunk: memoryview, offset: int) -> None:
     buffer[offset:offset + len(chunk)] = chunk
 
 
-def _sha256_hex(data: bytearray) -> str:
-    return hashlib.sha256(data).hexdigest()
+def _enable_if_wanted(hasher: _PrefixHash, wanted: asyncio.Future[bool]) -> None:
+    if not wanted.cancelled() and wanted.exception() is None and wanted.result():
+        hasher.enable()
 
 
 def _write_at(fd: int, chunk: memoryview, offset: int) -> None:
@@ -359,14 +485,15 @@ def _write_at(fd: int, chunk: memoryview, offset: int) -> None:
 
 
 def _open_presized(dest: Path, size_bytes: int) -> int:
-    """Create the file at its full size, sparse: parts land at their offsets in any order.
+    """Create the file at its full size, sparse: parts land at their offsets in any order (read
+    and write: the hasher reads back what landed beyond the hashed prefix).
 
     Not posix_fallocate: on tmpfs it zeroes every page before the first GET (a fifth of a
     loopback stage), and glibc's emulation on filesystems without fallocate writes zeros
     that could race with the parts. Room is checked before the download (the store's
     reservation); a disk that fills up meanwhile fails a write with ENOSPC, answered 507.
     """
-    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         os.ftruncate(fd, size_bytes)
     except BaseException:
@@ -384,6 +511,7 @@ async def _fetch_part(
     threads: _Threads,
     on_bytes: Callable[[int], None],
     inspect: Inspector | None,
+    hasher: _PrefixHash,
 ) -> None:
     end = progress.ends[part]
     attempt = 0
@@ -391,7 +519,8 @@ async def _fetch_part(
         attempt += 1
         try:
             async with policy.limiter:
-                await _stream_part(open_range, write, part, progress, threads, on_bytes, inspect)
+                await _stream_part(open_range, write, part, progress, threads, on_bytes, inspect,
+                                   hasher)
         except RegistryUnavailable as exc:
             if attempt >= policy.attempts or not exc.retryable:
                 raise
@@ -409,6 +538,7 @@ async def _stream_part(
     threads: _Threads,
     on_bytes: Callable[[int], None],
     inspect: Inspector | None,
+    hasher: _PrefixHash,
 ) -> None:
     """Read the rest of one part to disk in one worker-thread job (a job per chunk left the
     socket unread while each hop waited for the loop); what arrived before a fault stays,
@@ -430,7 +560,7 @@ async def _stream_part(
         look = inspect.stream(offset) if inspect is not None else None
         copy = threads.submit(
             _copy_range, stream, write, offset, end, progress.crc32[part], report, look,
-            progress.inband,
+            functools.partial(hasher.landed, part),
         )
         reached, crc, error = await asyncio.wrap_future(copy)
         # Reports queued by the thread run before this line; set the final state regardless.
@@ -455,11 +585,11 @@ async def _stream_part(
 def _copy_range(
     stream: RangeStream, write: Write, offset: int, end: int, crc: int,
     report: Callable[[int, int, int], None], look: Callable[[int, memoryview], None] | None,
-    digest: hashlib._Hash | None = None,
+    land: Callable[[int, memoryview], None],
 ) -> tuple[int, int, SidecarError | None]:
     """Worker thread: copy [offset, end) from the stream to its destination a buffer at a time,
-    with a running CRC-32 (and `digest` fed, when given), handing each chunk to `look` last
-    (it may overwrite the buffer).
+    with a running CRC-32, handing each chunk written to `land(offset, chunk)` (the SHA-256's
+    prefix) and then to `look` (which may overwrite the buffer).
     Returns how far it got, the CRC of the part up to there, and the fault that stopped it
     early, if any; bytes that arrived before a fault are kept."""
     buffer = bytearray(min(CHUNK_BYTES, end - offset))
@@ -480,8 +610,7 @@ def _copy_range(
             chunk = view[:got]
             write(chunk, offset)
             crc = crc32(chunk, crc)
-            if digest is not None:
-                digest.update(chunk)
+            land(offset, chunk)
             if look is not None:
                 look(offset, chunk)
             offset += got
@@ -505,46 +634,3 @@ def _pwrite_all(fd: int, buffers: list[bytes] | list[memoryview], offset: int) -
             views[0] = views[0][written:]
     return total
 
-
-async def _hash_if_wanted(
-    wanted: asyncio.Future[bool] | bool, path: Path, size_bytes: int, progress: _Progress,
-    threads: _Threads,
-) -> str | None:
-    if not (wanted if isinstance(wanted, bool) else await wanted):
-        return None
-    return await _hash_in_order(path, size_bytes, progress, threads)
-
-
-async def _hash_in_order(path: Path, size_bytes: int, progress: _Progress,
-                         threads: _Threads) -> str:
-    """Hash bytes as soon as every byte before them is on disk (read back from the page
-    cache), so the digest is ready moments after the last part lands."""
-    digest = hashlib.sha256()
-    hashed = 0
-    # One buffer reused for every read: a fresh 4 MiB object per read left the allocator's
-    # per-thread arenas holding tens of MB for the rest of the process's life.
-    buffer = bytearray(HASH_CHUNK_BYTES)
-    read_fd = await threads.acquire(os.close, os.open, path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        while hashed < size_bytes:
-            ready = progress.contiguous_end()
-            if ready <= hashed:
-                progress.changed.clear()
-                if progress.contiguous_end() <= hashed:
-                    await progress.changed.wait()
-                continue
-            length = min(ready - hashed, HASH_CHUNK_BYTES)
-            await threads.run(_hash_range, read_fd, digest, buffer, hashed, length)
-            hashed += length
-    finally:
-        threads.close_when_idle(read_fd)  # a read may still run if this task was cancelled
-    return digest.hexdigest()
-
-
-def _hash_range(
-    fd: int, digest: hashlib._Hash, buffer: bytearray, offset: int, length: int
-) -> None:
-    with memoryview(buffer)[:length] as view:
-        if os.preadv(fd, [view], offset) != length:
-            raise OSError(f"short read at byte {offset} while hashing")
-        digest.update(view)

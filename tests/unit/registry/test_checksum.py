@@ -141,6 +141,9 @@ async def test_bytes_corrupted_in_transit_once_are_fetched_again_and_staged_inta
     assert len(s3.proxy.gets(s3.key(adapter_id, WEIGHTS))) == 2 * parts  # fetched once more
     assert staged_weights(body) == files[WEIGHTS]
     assert record_of(body)[WEIGHTS]["crc32"] == f"{zlib.crc32(files[WEIGHTS]):08x}"
+    # The SHA-256 of the corrupted download (hashed as its ranges landed) went with it: the
+    # one recorded is of the intact bytes.
+    assert record_of(body)[WEIGHTS]["sha256"] == hashlib.sha256(files[WEIGHTS]).hexdigest()
 
 
 @pytest.mark.parametrize("algorithm", ["CRC32", "SHA256"])

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import os
+import random
 import threading
+import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 from hypothesis import given
@@ -280,29 +283,59 @@ async def test_a_descriptor_left_to_close_survives_a_job_that_ends_while_another
                      what="the file closed by the last job's end, not leaked")
 
 
+def _record_read_back(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(offset, length) of every read of the downloaded file's bytes back for the hash."""
+    reads: list[tuple[int, int]] = []
+    real_read = transfer._FileReadBack.__call__
+
+    def noted_read(self: transfer._FileReadBack, offset: int, length: int) -> memoryview:
+        reads.append((offset, length))
+        return real_read(self, offset, length)
+
+    monkeypatch.setattr(transfer._FileReadBack, "__call__", noted_read)
+    return reads
+
+
+def _when_landed(total_bytes: int, then: Callable[[], None]) -> Callable[[int], None]:
+    """An on_bytes that calls `then` once `total_bytes` have landed (written, and hashed as far
+    as the prefix reached: a range reports its bytes after the hasher has seen them)."""
+    landed = [0]
+
+    def on_bytes(count: int) -> None:
+        landed[0] += count
+        if landed[0] == total_bytes:
+            then()
+
+    return on_bytes
+
+
 async def test_the_hasher_never_closes_a_file_a_thread_still_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The SHA-256 is asked for once every byte has landed, so the hasher reads them back; the
+    # download is cancelled while that read is blocked (a slow disk). The descriptor must stay
+    # open until the thread is done: closed early, its number goes to the next file opened.
     gate = _Gate(asyncio.get_running_loop())
-    real_hash = transfer._hash_range
+    real_read = transfer._FileReadBack.__call__
     read_from: list[str] = []
 
-    def slow_hash(fd: int, digest: Any, buffer: bytearray, offset: int, length: int) -> None:
+    def slow_read(self: transfer._FileReadBack, offset: int, length: int) -> memoryview:
         gate.hold()
-        read_from.append(os.readlink(f"/proc/self/fd/{fd}"))  # what the number means now
-        real_hash(fd, digest, buffer, offset, length)
+        read_from.append(os.readlink(f"/proc/self/fd/{self._fd}"))  # what the number means now
+        return real_read(self, offset, length)
 
-    monkeypatch.setattr(transfer, "_hash_range", slow_hash)
+    monkeypatch.setattr(transfer._FileReadBack, "__call__", slow_read)
     cleaning_up = _cleaning_up(monkeypatch)
     dest = tmp_path / "f"
     data = os.urandom(100_000)
-    policy = transfer.TransferPolicy(50_000, 1, asyncio.Semaphore(1), 1)  # two ranges: read back
+    wanted: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    policy = transfer.TransferPolicy(50_000, 1, asyncio.Semaphore(1), 1)
     download = asyncio.create_task(transfer.download(
         lambda start, end: _BytesRange(data, start, end), dest, len(data), policy,
-        sha256=True))
+        _when_landed(len(data), lambda: wanted.set_result(True)), sha256=wanted))
     await asyncio.wait_for(gate.entered.wait(), 10)
     download.cancel()
-    await asyncio.wait_for(cleaning_up.wait(), 10)  # the hasher's task has ended
+    await asyncio.wait_for(cleaning_up.wait(), 10)  # the download now waits for the thread
     other = tmp_path / "another-file"
     fd = os.open(other, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -314,6 +347,167 @@ async def test_the_hasher_never_closes_a_file_a_thread_still_reads(
         os.close(fd)
     assert read_from == [str(dest)]
     await eventually(lambda: not _open_to(dest), timeout_s=5, poll_s=0.01, what="the file closed")
+
+
+# ---- the SHA-256 over the contiguous prefix, in the range threads ------------------------
+
+
+async def test_ranges_that_land_in_order_are_hashed_as_they_land_and_never_read_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reads = _record_read_back(monkeypatch)
+    data = os.urandom(1_000_000)
+    # One range at a time: each chunk lands at the end of the hashed prefix.
+    policy = transfer.TransferPolicy(150_000, 1, asyncio.Semaphore(1), 1)
+    got = await transfer.download(lambda start, end: _BytesRange(data, start, end),
+                                  tmp_path / "f", len(data), policy, sha256=True)
+    assert len(transfer.part_starts(len(data), policy)) == 7
+    assert got.sha256 == hashlib.sha256(data).hexdigest()
+    assert reads == []
+
+
+class _HeldBack(_BytesRange):
+    """A range whose reads wait for `release` (set from the loop) before the first byte."""
+
+    def __init__(self, data: bytes, start: int, end: int, release: threading.Event) -> None:
+        super().__init__(data, start, end)
+        self._release = release
+
+    def readinto(self, buffer: memoryview) -> int:
+        assert self._release.wait(10)
+        return super().readinto(buffer)
+
+
+async def test_ranges_that_land_beyond_the_prefix_are_read_back_once_each_when_it_reaches_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reads = _record_read_back(monkeypatch)
+    data = os.urandom(300_000)
+    policy = transfer.TransferPolicy(100_000, 1, asyncio.Semaphore(3), 3)
+    starts = transfer.part_starts(len(data), policy)
+    assert starts == [0, 100_000, 200_000]
+    # The first range is held back until the other two have landed whole.
+    first_may_read = threading.Event()
+
+    def open_range(start: int, end: int) -> _BytesRange:
+        if start == 0:
+            return _HeldBack(data, start, end, first_may_read)
+        return _BytesRange(data, start, end)
+
+    got = await transfer.download(open_range, tmp_path / "f", len(data), policy,
+                                  _when_landed(200_000, first_may_read.set), sha256=True)
+    assert got.sha256 == hashlib.sha256(data).hexdigest()
+    # The first range's thread hashed its own bytes from its buffer, then the other two's
+    # from the file: in order, each byte once.
+    assert reads[0][0] == 100_000
+    assert all(offset + length == following
+               for (offset, length), (following, _) in itertools.pairwise(reads))
+    assert reads[-1][0] + reads[-1][1] == len(data)
+
+
+async def test_ranges_wait_while_the_hash_is_more_than_its_lag_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The hashing thread is held in a read-back (a slow disk, or a scheduler that gives it a
+    # 33rd of the CPU beside 32 copying threads): the other ranges stop once the contiguous
+    # bytes run HASH_LAG_BYTES ahead of it, rather than leave it all to hash after the last.
+    monkeypatch.setattr(transfer, "HASH_LAG_BYTES", 200_000)
+    loop = asyncio.get_running_loop()
+    gate = _Gate(loop)
+    owner_reads = threading.Event()
+    real_read = transfer._FileReadBack.__call__
+
+    def held_read(self: transfer._FileReadBack, offset: int, length: int) -> memoryview:
+        if not gate.proceed.is_set():
+            owner_reads.set()
+            gate.hold()
+        return real_read(self, offset, length)
+
+    monkeypatch.setattr(transfer._FileReadBack, "__call__", held_read)
+    waiting = asyncio.Event()
+    real_keep_pace = transfer._PrefixHash._keep_pace
+
+    def noted_keep_pace(self: transfer._PrefixHash) -> None:
+        if self._lagging(transfer.HASH_LAG_BYTES):
+            loop.call_soon_threadsafe(waiting.set)
+        real_keep_pace(self)
+
+    monkeypatch.setattr(transfer._PrefixHash, "_keep_pace", noted_keep_pace)
+    data = os.urandom(3_000_000)
+    first_may_read = threading.Event()
+
+    # Two ranges at a time, in order: the second lands first; then the first, whose thread
+    # hashes its own bytes and reads the second's back (held there); then the rest.
+    def open_range(start: int, end: int) -> _BytesRange:
+        if start == 0:
+            return _HeldBack(data, start, end, first_may_read)
+        if start >= 200_000:
+            return _HeldBack(data, start, end, owner_reads)
+        return _BytesRange(data, start, end)
+
+    with transfer.transfer_executor(4) as executor:
+        policy = transfer.TransferPolicy(100_000, 1, asyncio.Semaphore(2), 2, executor)
+        reported = [0]
+
+        def on_bytes(count: int) -> None:
+            reported[0] += count
+            if reported[0] == 100_000:
+                first_may_read.set()
+
+        download = asyncio.create_task(transfer.download(
+            open_range, tmp_path / "f", len(data), policy, on_bytes, sha256=True))
+        await asyncio.wait_for(gate.entered.wait(), 10)  # the hash is held at 100 KB
+        await asyncio.wait_for(waiting.wait(), 10)  # and a range waits for it
+        # The second range and the third (contiguous: 300 KB, 200 KB ahead) passed; the
+        # fourth (300 KB ahead) waits, and nothing after it has started.
+        assert reported[0] == 200_000
+        gate.proceed.set()
+        got = await download
+    assert got.sha256 == hashlib.sha256(data).hexdigest()
+    assert (tmp_path / "f").read_bytes() == data
+
+
+class _Jittery(_BytesRange):
+    """A range that hands over a few random bytes at a time, yielding the GIL between reads,
+    so the ranges' chunks land interleaved in an order that differs from run to run."""
+
+    def __init__(self, data: bytes, start: int, end: int, rng: random.Random) -> None:
+        super().__init__(data, start, end)
+        self._rng = rng
+
+    def readinto(self, buffer: memoryview) -> int:
+        time.sleep(0)  # not a wait: gives the GIL to another range, as a socket read would
+        return super().readinto(buffer[:self._rng.randint(1, 40_000)])
+
+
+@pytest.mark.parametrize("seed", range(5))
+async def test_the_sha256_is_of_every_byte_in_order_whatever_order_the_ranges_land_in(
+    tmp_path: Path, seed: int,
+) -> None:
+    rng = random.Random(seed)
+    data = os.urandom(rng.randint(500_000, 1_500_000))
+    with transfer.transfer_executor(8) as executor:
+        policy = transfer.TransferPolicy(60_000, 1, asyncio.Semaphore(8), 8, executor)
+        got = await transfer.download(
+            lambda start, end: _Jittery(data, start, end, random.Random(rng.random())),
+            tmp_path / "f", len(data), policy, sha256=True)
+    assert got.sha256 == hashlib.sha256(data).hexdigest()
+    assert got.crc32 == zlib.crc32(data)
+    assert (tmp_path / "f").read_bytes() == data
+
+
+@pytest.mark.parametrize("wanted", [True, False])
+async def test_a_sha256_asked_for_once_the_bytes_have_landed_is_of_every_byte_or_none(
+    tmp_path: Path, wanted: bool,
+) -> None:
+    data = os.urandom(300_000)
+    answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    policy = transfer.TransferPolicy(100_000, 1, asyncio.Semaphore(2), 2)
+    got = await transfer.download(
+        lambda start, end: _BytesRange(data, start, end), tmp_path / "f", len(data), policy,
+        _when_landed(len(data), lambda: answer.set_result(wanted)), sha256=answer)
+    assert got.sha256 == (hashlib.sha256(data).hexdigest() if wanted else None)
+    assert got.crc32 == zlib.crc32(data)
 
 
 class _BreaksOnce(_BytesRange):
