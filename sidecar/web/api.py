@@ -250,7 +250,7 @@ def _parse_json(raw: bytes) -> Any:
     return json.loads(raw)
 
 
-def _authorize(request: web.Request, services: Services, route: str) -> Tenant | None:
+def _authorize(request: web.Request, route: str, services: Services) -> Tenant | None:
     """Who calls `route`, checked before the body is read: the operator's token (--api-token)
     may do anything (None); under --tenants a tenant's token or the router's (returned, for
     `_in_scope` once the id is known). Without --tenants, /stage is open and the rest needs
@@ -389,7 +389,7 @@ def _stage_json(services: Services, named: Named) -> str:
 
 async def stage(request: web.Request) -> web.Response:
     services = _services(request)
-    caller = _authorize(request, services, "stage")
+    caller = _authorize(request, "stage", services)
     body = await _body(request, services, "stage")
     adapter_id = check_adapter_id(body["adapter_id"])
     _in_scope(request, caller, "stage", adapter_id)
@@ -417,7 +417,7 @@ async def release(request: web.Request) -> web.Response:
 
 async def evict(request: web.Request) -> web.Response:
     services = _services(request)
-    caller = _authorize(request, services, "evict")
+    caller = _authorize(request, "evict", services)
     body = await _body(request, services, "evict")
     adapter_id = check_adapter_id(body["adapter_id"])
     _in_scope(request, caller, "evict", adapter_id)
@@ -444,7 +444,7 @@ async def evict(request: web.Request) -> web.Response:
 
 async def pin(request: web.Request) -> web.Response:
     services = _services(request)
-    caller = _authorize(request, services, "pin")
+    caller = _authorize(request, "pin", services)
     body = await _body(request, services, "pin")
     adapter_id = check_adapter_id(body["adapter_id"])
     _in_scope(request, caller, "pin", adapter_id)
@@ -455,7 +455,7 @@ async def pin(request: web.Request) -> web.Response:
 
 async def unpin(request: web.Request) -> web.Response:
     services = _services(request)
-    caller = _authorize(request, services, "unpin")
+    caller = _authorize(request, "unpin", services)
     body = await _body(request, services, "unpin")
     adapter_id = check_adapter_id(body["adapter_id"])
     _in_scope(request, caller, "unpin", adapter_id)
@@ -532,7 +532,7 @@ async def catalog(request: web.Request) -> web.Response:
 
 async def compact(request: web.Request) -> web.Response:
     services = _services(request)
-    _authorize(request, services, "compact")
+    _authorize(request, "compact", services)
     if request.content_length:
         await _body(request, services, "compact")
     if services.catalog is None:
