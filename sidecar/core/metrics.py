@@ -105,6 +105,21 @@ class StageTally(Collector):
         yield durations
 
 
+class LoopCounter(Collector):
+    """A counter without labels that only the event loop adds to: `inc` is one addition,
+    without prometheus_client's lock and checks (hit path)."""
+
+    def __init__(self, name: str, documentation: str) -> None:
+        self._name, self._documentation = name, documentation
+        self.value = 0
+
+    def inc(self, amount: int = 1) -> None:
+        self.value += amount
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self._name, self._documentation, value=self.value)
+
+
 class Metrics:
     """The sidecar's metrics. `process/app.py` makes one per process; tests make their own."""
 
@@ -147,10 +162,10 @@ class Metrics:
             "by outcome: verified (a signature by an allowed signer over these bytes), "
             "unsigned (none, and the policy lets it be), refused.", ["outcome"], registry=r,
         )
-        self.leases_expired = Counter(
-            "lora_sidecar_leases_expired", "Leases that ran out before being released.",
-            registry=r,
-        )
+        # Ended at --max-leases on every grant when callers never release (hit path).
+        self.leases_expired = LoopCounter(
+            "lora_sidecar_leases_expired", "Leases that ran out before being released.")
+        r.register(self.leases_expired)
         self.quarantined = Counter(
             "lora_sidecar_quarantined", "Folders moved aside because they were not valid.",
             registry=r,
