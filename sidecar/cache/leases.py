@@ -49,33 +49,35 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def grant(self, adapter_id: str, now: float) -> Lease:
-        """A new lease on `adapter_id`; `now` on the wall clock."""
+    def grant(self, adapter_id: str, now: float) -> tuple[Lease, bool]:
+        """A new lease on `adapter_id` (`now` on the wall clock), and whether the cap on live
+        leases ended the last lease of an adapter, which may then have to go."""
         monotonic_now = self._monotonic()
         expires_at = monotonic_now + self.ttl_s
-        lease_id, digest = self._new_lease_id()
-        lease = Lease(lease_id, adapter_id, expires_at, now + self.ttl_s)
-        self._leases[lease_id] = (adapter_id, expires_at, digest)
+        pool = self._random_pool
+        lease_id, digest = pool.pop() if pool else self._new_lease_ids()
+        leases = self._leases
+        leases[lease_id] = (adapter_id, expires_at, digest)
         self._counts[adapter_id] = self._counts.get(adapter_id, 0) + 1
         if self.lease_journal is not None:
             self.lease_journal.granted(digest, adapter_id, self.ttl_s, now, monotonic_now)
-        if len(self._leases) > self.max_leases:
-            self._drop_oldest(monotonic_now)
-        return lease
+        unheld = len(leases) > self.max_leases and self._drop_oldest(monotonic_now)
+        return Lease(lease_id, adapter_id, expires_at, now + self.ttl_s), unheld
 
-    def _new_lease_id(self) -> tuple[str, str]:
-        """A lease id, 128 random bits from the OS's CSPRNG, and its digest for the journal:
-        made 256 at a time, one getrandom() and the hashes in one loop (hit path)."""
-        if not self._random_pool:
-            pool = secrets.token_bytes(16 * 256)
-            ids = [pool[i:i + 16].hex() for i in range(0, len(pool), 16)]
-            self._random_pool = [(lease_id, lease_digest(lease_id)) for lease_id in ids]
+    def _new_lease_ids(self) -> tuple[str, str]:
+        """A lease id, 128 random bits from the OS's CSPRNG, and its digest for the journal;
+        the pool refilled with 255 more: one getrandom() and the hashes in one loop (hit
+        path)."""
+        pool = secrets.token_bytes(16 * 256)
+        ids = [pool[i:i + 16].hex() for i in range(0, len(pool), 16)]
+        self._random_pool = [(lease_id, lease_digest(lease_id)) for lease_id in ids]
         return self._random_pool.pop()
 
-    def _drop_oldest(self, now: float) -> None:
+    def _drop_oldest(self, now: float) -> bool:
         """Past --max-leases someone is not releasing: the oldest lease ends early, so memory
         stays bounded. A request still running after that many newer ones is not plausible.
-        No journal line: a restart applies the same cap."""
+        No journal line: a restart applies the same cap. True when that was the last lease
+        of its adapter."""
         _, (adapter_id, _, _) = self._leases.popitem(last=False)
         self._uncount(adapter_id)
         self._metrics.leases_expired.inc()
@@ -84,6 +86,7 @@ class LeaseTable:
             log.warning("%d live leases: the oldest end early (adapter_id=%s); callers are "
                         "not releasing their leases (POST /release)", self.max_leases,
                         adapter_id, extra=fields(event="lease_cap", count=self.max_leases))
+        return adapter_id not in self._counts
 
     def release(self, lease_id: str) -> Lease:
         key = lease_id

@@ -150,10 +150,7 @@ class Stager:
         self._judging_first = asyncio.Semaphore(JUDGE_FIRST_MAX)
         self._judged_bytes = ByteLimit(JUDGED_MAX_BYTES)
         self._skew_logged = False
-        # Children bound once: a labels() lookup per request shows on the hit path.
-        results = ("hit", "miss", "error")
-        self._requests = {r: metrics.stage_requests.labels(result=r) for r in results}
-        self._durations = {r: metrics.stage_duration.labels(result=r) for r in results}
+        self._record = metrics.stage.record  # the counts and durations of stage requests
 
     @property
     def inflight(self) -> list[str]:
@@ -180,8 +177,7 @@ class Stager:
             result = "error"
             raise
         finally:
-            self._requests[result].inc()
-            self._durations[result].observe(time.perf_counter() - started)
+            self._record(result, time.perf_counter() - started)
 
     def hit(self, adapter_id: str, *, lease: bool = True) -> StageResult | None:
         """The adapter leased (or touched) and counted as a hit when it is cached, without a
@@ -195,8 +191,7 @@ class Stager:
             result = "hit"
             return staged
         finally:
-            self._requests[result].inc()
-            self._durations[result].observe(time.perf_counter() - started)
+            self._record(result, time.perf_counter() - started)
 
     async def _await_stage(self, adapter_id: str, timeout_s: float, lease: bool) -> StageResult:
         # A claim keeps the adapter from being evicted between its publication and our lease.

@@ -310,9 +310,8 @@ class AdapterStore:
         adapter.last_used = now
         self._index.touch(adapter_id)
         self._policy.used(adapter_id)
-        at_cap = len(self._leases) >= self._leases.max_leases
-        lease = self._leases.grant(adapter_id, now)
-        if at_cap:  # the oldest lease ended early: what it held may have to go
+        lease, unheld = self._leases.grant(adapter_id, now)
+        if unheld:  # the cap ended an adapter's last lease: it may have to go
             self._restore_budget()
         return lease
 

@@ -141,6 +141,19 @@ class Naming:
                 raise
         return Named(staged, name)
 
+    def hit(self, adapter_id: str, *, lease: bool = True) -> Named | None:
+        """A cached adapter that an engine serves by a name already, leased (or touched),
+        counted and named in one synchronous step (hit path); None, with nothing done, for
+        every other case, which `stage` answers."""
+        adapter = self._store.get(adapter_id)
+        if adapter is None:
+            return None
+        name = self._serving_name(adapter)
+        if name is None:
+            return None
+        staged = self._stager.hit(adapter_id, lease=lease)  # no await since the get: cached
+        return None if staged is None else Named(staged, name)
+
     def _serving_name(self, adapter: CachedAdapter) -> str | None:
         """The name an engine serves the adapter by now, if it has one: the hit path, without
         the waits and catalog changes of `_name_when_served`."""

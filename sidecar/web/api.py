@@ -123,6 +123,8 @@ class CatalogView(Protocol):
 
 
 class StageAndName(Protocol):
+    def hit(self, adapter_id: str, *, lease: bool) -> Named | None: ...
+
     async def stage(self, adapter_id: str, *, timeout_s: float, lease: bool, hold_s: float,
                     refused: EngineRefusal | None) -> Named: ...
 
@@ -175,8 +177,7 @@ _REQUIRED = {"stage": "adapter_id", "release": "lease_id", "evict": "adapter_id"
 
 
 async def _read_body(request: web.Request) -> bytes:
-    if request.content.is_eof():  # the usual case: the body came with the head; no timer
-        return await request.read()
+    """A body still arriving, waited for (`_body` takes one that has arrived)."""
     try:
         async with asyncio.timeout(BODY_READ_TIMEOUT_S):
             return await request.read()
@@ -189,17 +190,29 @@ async def _read_body(request: web.Request) -> bytes:
         raise BadRequest("the connection closed before the request body arrived") from None
 
 
-async def _body(request: web.Request, kind: str) -> dict[str, Any]:
+async def _body(request: web.Request, services: Services, kind: str) -> dict[str, Any]:
     """The JSON object of a request, checked against the endpoint's fields and types."""
-    if request.content_type != "application/json":
+    # The header as sent is compared first: parsing it is for the rare other spelling.
+    if (request.headers.get("Content-Type") != "application/json"
+            and request.content_type != "application/json"):
         # Strict on purpose: a browser cannot send this type cross-site without a preflight.
         raise BadRequest(f"send JSON with 'Content-Type: application/json', not "
                          f"{request.content_type!r}")
     declared = request.content_length
-    limit = request.app[SERVICES].settings.max_request_bytes
+    limit = services.settings.max_request_bytes
     if declared is not None and declared > limit:  # at once, not after reading up to the cap
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=declared)
-    raw = await _read_body(request)
+    content = request.content
+    if content.is_eof():
+        # The usual case: the body came with the head, and is taken as it lies, without the
+        # coroutines of `request.read()` or a timer (hit path).
+        raw = content.read_nowait()
+        while not content.at_eof():  # a buffer refilled as it was drained
+            raw += content.read_nowait()
+        if len(raw) > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
+    else:
+        raw = await _read_body(request)
     try:
         body = _parse_json(raw or b"null")
     except (ValueError, RecursionError):
@@ -237,12 +250,11 @@ def _parse_json(raw: bytes) -> Any:
     return json.loads(raw)
 
 
-def _authorize(request: web.Request, route: str) -> Tenant | None:
+def _authorize(request: web.Request, route: str, services: Services) -> Tenant | None:
     """Who calls `route`, checked before the body is read: the operator's token (--api-token)
     may do anything (None); under --tenants a tenant's token or the router's (returned, for
     `_in_scope` once the id is known). Without --tenants, /stage is open and the rest needs
     the operator's token when one is set."""
-    services = _services(request)
     operator, tenants = services.settings.api_token, services.tenants
     given = _bearer(request)
     if operator is not None and given is not None and hmac.compare_digest(
@@ -376,33 +388,37 @@ def _stage_json(services: Services, named: Named) -> str:
 
 
 async def stage(request: web.Request) -> web.Response:
-    caller = _authorize(request, "stage")
     services = _services(request)
-    body = await _body(request, "stage")
+    caller = _authorize(request, "stage", services)
+    body = await _body(request, services, "stage")
     adapter_id = check_adapter_id(body["adapter_id"])
     _in_scope(request, caller, "stage", adapter_id)
     timeout_s = _stage_timeout(services, body)
-    await _recovered(services, timeout_s)
+    if services.recovered is not None and not services.recovered.is_set():
+        await _recovered(services, timeout_s)
     refused = body.get("engine_refused")
-    named = await services.naming.stage(
-        adapter_id, timeout_s=timeout_s, lease=body.get("lease", True),
-        hold_s=float(body.get("hold_s", 0.0)),
-        refused=None if refused is None else EngineRefusal.from_json(refused))
+    lease = body.get("lease", True)
+    # A hit is answered in this step, without a coroutine (hit path); the rest waits in stage.
+    named = None if refused is not None else services.naming.hit(adapter_id, lease=lease)
+    if named is None:
+        named = await services.naming.stage(
+            adapter_id, timeout_s=timeout_s, lease=lease, hold_s=float(body.get("hold_s", 0.0)),
+            refused=None if refused is None else EngineRefusal.from_json(refused))
     return web.Response(body=_stage_json(services, named).encode(), headers=JSON_HEADERS)
 
 
 async def release(request: web.Request) -> web.Response:
     services = _services(request)
-    body = await _body(request, "release")
+    body = await _body(request, services, "release")
     await _recovered(services)
     lease = services.store.release(body["lease_id"])
     return web.json_response({"released": True, "adapter_id": lease.adapter_id})
 
 
 async def evict(request: web.Request) -> web.Response:
-    caller = _authorize(request, "evict")
     services = _services(request)
-    body = await _body(request, "evict")
+    caller = _authorize(request, "evict", services)
+    body = await _body(request, services, "evict")
     adapter_id = check_adapter_id(body["adapter_id"])
     _in_scope(request, caller, "evict", adapter_id)
     await _recovered(services)
@@ -427,9 +443,9 @@ async def evict(request: web.Request) -> web.Response:
 
 
 async def pin(request: web.Request) -> web.Response:
-    caller = _authorize(request, "pin")
     services = _services(request)
-    body = await _body(request, "pin")
+    caller = _authorize(request, "pin", services)
+    body = await _body(request, services, "pin")
     adapter_id = check_adapter_id(body["adapter_id"])
     _in_scope(request, caller, "pin", adapter_id)
     await _recovered(services, _stage_timeout(services, body))
@@ -438,9 +454,9 @@ async def pin(request: web.Request) -> web.Response:
 
 
 async def unpin(request: web.Request) -> web.Response:
-    caller = _authorize(request, "unpin")
     services = _services(request)
-    body = await _body(request, "unpin")
+    caller = _authorize(request, "unpin", services)
+    body = await _body(request, services, "unpin")
     adapter_id = check_adapter_id(body["adapter_id"])
     _in_scope(request, caller, "unpin", adapter_id)
     await _recovered(services)
@@ -515,10 +531,10 @@ async def catalog(request: web.Request) -> web.Response:
 
 
 async def compact(request: web.Request) -> web.Response:
-    _authorize(request, "compact")
     services = _services(request)
+    _authorize(request, "compact", services)
     if request.content_length:
-        await _body(request, "compact")
+        await _body(request, services, "compact")
     if services.catalog is None:
         raise CatalogDisabled("this sidecar renders no catalog: there is nothing to compact")
     return web.json_response(services.catalog.request_compaction(), status=202)
