@@ -372,7 +372,8 @@ class Stager:
 
     async def _list(self, adapter_id: str) -> Listing:
         try:
-            listing = await self._registry.list_files(adapter_id)
+            listing = await self._registry.list_files(adapter_id,
+                                                      likely=(CONFIG_FILE, WEIGHTS_FILE))
         except SidecarError as exc:
             self._on_registry_result(exc)
             if isinstance(exc, AdapterNotFound):

@@ -78,8 +78,10 @@ class AdapterRegistry(Protocol):
 
     async def list_adapter_ids(self) -> list[str]: ...
 
-    async def list_files(self, adapter_id: str) -> Listing:
-        """Raises AdapterNotFound when the registry has nothing under this id."""
+    async def list_files(self, adapter_id: str, *, likely: tuple[str, ...] = ()) -> Listing:
+        """Raises AdapterNotFound when the registry has nothing under this id. `likely`: names
+        of files the caller will probably fetch next, whose fetch the registry may prepare
+        while it lists (S3 signs their URLs meanwhile)."""
         ...
 
     async def fetch(

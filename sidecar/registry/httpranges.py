@@ -152,7 +152,8 @@ class RangeReader:
     """Opens ranged reads of one object: `open(start, end)` is transfer.OpenRange.
 
     `sign()` returns a freshly presigned URL (blocking: it waits for the event loop); it is
-    called when the URL is older than RESIGN_AFTER_S or the registry says it expired.
+    called when the URL is older than RESIGN_AFTER_S (from `signed_at`, by the monotonic
+    clock; default: now) or the registry says it expired.
 
     `whole`: the object is read in one GET, asked for whole with the registry's checksums
     (the URL must be signed with `x-amz-checksum-mode`); `answered` then holds them, as a
@@ -161,10 +162,11 @@ class RangeReader:
 
     def __init__(self, pool: ConnectionPool, url: str, sign: Callable[[], str], etag: str,
                  size_bytes: int, describe: str, adapter_id: str,
-                 on_error: Callable[[], None], *, whole: bool = False) -> None:
+                 on_error: Callable[[], None], *, whole: bool = False,
+                 signed_at: float | None = None) -> None:
         self._pool = pool
         self._url = url
-        self._signed_at = time.monotonic()
+        self._signed_at = time.monotonic() if signed_at is None else signed_at
         self._sign = sign
         self._url_lock = threading.Lock()
         self._etag = etag

@@ -92,7 +92,7 @@ class LocalRegistry:
                     skipped.append(entry.name)
         return sorted(ids), skipped
 
-    async def list_files(self, adapter_id: str) -> Listing:
+    async def list_files(self, adapter_id: str, *, likely: tuple[str, ...] = ()) -> Listing:
         return await asyncio.to_thread(self._scan_files, adapter_id)
 
     def _scan_files(self, adapter_id: str) -> Listing:

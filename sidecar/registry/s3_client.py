@@ -9,6 +9,7 @@ import asyncio
 import email.utils
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from ..core.ids import is_valid_adapter_id
 from ..core.net import hide_password
 from .base import Entry, FetchedFile, Listing, RemoteFile, SkippedFolders, is_safe_file_name
 from .checksum import crc32_hex, s3_checksum_hex
-from .httpranges import ConnectionPool, RangeReader
+from .httpranges import RESIGN_AFTER_S, ConnectionPool, RangeReader
 from .proxies import botocore_proxies
 from .s3errors import NOT_READY_CAUSES, s3_cause
 from .transfer import (
@@ -49,6 +50,9 @@ log = logging.getLogger(__name__)
 _R = TypeVar("_R")
 
 PRESIGNED_URL_TTL_S = 3600  # longer than any one file's download
+# URLs signed while a listing is awaited, kept until their file's fetch takes them: at most
+# this many (those of listings whose files were never fetched go first).
+SIGNED_AHEAD_MAX = 64
 _MULTIPART_ETAG = re.compile(r'-[0-9]+"?$')
 
 
@@ -78,6 +82,7 @@ class S3Registry:
         self._on_error = on_error
         self._stack = AsyncExitStack()
         self._client: Any = None
+        self._signed_ahead: dict[str, tuple[str, float]] = {}  # key -> URL, signed at
         self._pool = ConnectionPool(client.connect_timeout_s, client.read_timeout_s,
                                     max_idle=policy.concurrency)
         # One call, botocore's own retries included, never waits longer than this.
@@ -144,8 +149,24 @@ class S3Registry:
                 return sorted(ids)
             token = page.get("NextContinuationToken")
 
-    async def list_files(self, adapter_id: str) -> Listing:
+    async def list_files(self, adapter_id: str, *, likely: tuple[str, ...] = ()) -> Listing:
         folder = f"{self.prefix}{adapter_id}/"
+        # The likely files' URLs are signed while the listing's answer is awaited: a
+        # presign is 0.4-0.7 ms of botocore on the event loop, which is idle meanwhile.
+        keys = [f"{folder}{name}" for name in likely if is_safe_file_name(name)]
+        signing = asyncio.create_task(self._sign_ahead(keys)) if keys else None
+        try:
+            listing = await self._list_files(adapter_id, folder)
+        except BaseException:
+            if signing is not None:
+                signing.cancel()
+                await asyncio.gather(signing, return_exceptions=True)
+            raise
+        if signing is not None:
+            await signing
+        return listing
+
+    async def _list_files(self, adapter_id: str, folder: str) -> Listing:
         files: list[RemoteFile] = []
         others: list[Entry] = []
         token: str | None = None
@@ -211,12 +232,17 @@ class S3Registry:
         # answer brings what a HEAD would (the bytes' checks are the same, a request less).
         whole = (sha256 and file.size_bytes > 0
                  and len(part_starts(file.size_bytes, self._policy)) == 1)
-        url = await self._presign(adapter_id, file, checksums=whole)
+        ahead = self._signed_ahead.pop(file.locator, None)
+        if whole and ahead is not None and time.monotonic() - ahead[1] < RESIGN_AFTER_S:
+            url, signed_at = ahead
+        else:
+            url, signed_at = (await self._presign(adapter_id, file.locator, checksums=whole),
+                              time.monotonic())
         loop = asyncio.get_running_loop()
 
         def sign() -> str:  # from a worker thread: the loop signs
             signing = asyncio.run_coroutine_threadsafe(
-                self._presign(adapter_id, file, checksums=whole), loop)
+                self._presign(adapter_id, file.locator, checksums=whole), loop)
             try:
                 return signing.result(self._call_timeout_s)
             except TimeoutError:
@@ -227,7 +253,7 @@ class S3Registry:
 
         reader = RangeReader(self._pool, url, sign, file.etag, file.size_bytes,
                              f"s3://{self.bucket}/{file.locator}", adapter_id,
-                             lambda: self._on_error("get"), whole=whole)
+                             lambda: self._on_error("get"), whole=whole, signed_at=signed_at)
         if whole:
             moved = await run(reader.open, True)
             return moved, dict(reader.answered)
@@ -255,8 +281,26 @@ class S3Registry:
                 await asyncio.gather(head_task, return_exceptions=True)
         return moved, head
 
-    async def _presign(self, adapter_id: str, file: RemoteFile, *, checksums: bool) -> str:
-        params = {"Bucket": self.bucket, "Key": file.locator}
+    async def _sign_ahead(self, keys: list[str]) -> None:
+        """URLs of whole objects with their checksums, signed while their folder is listed;
+        `_transfer` takes one if its file is fetched whole soon enough. A key that cannot be
+        signed now is signed again when fetched, and its fault counted and reported then."""
+        for key in keys:
+            try:
+                async with asyncio.timeout(self._call_timeout_s):
+                    url: str = await self._client.generate_presigned_url(
+                        ClientMethod="get_object", ExpiresIn=PRESIGNED_URL_TTL_S,
+                        Params={"Bucket": self.bucket, "Key": key, "ChecksumMode": "ENABLED"})
+            except (bce.BotoCoreError, bce.ClientError, TimeoutError, OSError) as exc:
+                log.debug("signing %s ahead of its listing failed: %s", key, exc)
+                return
+            self._signed_ahead.pop(key, None)
+            self._signed_ahead[key] = (url, time.monotonic())
+            while len(self._signed_ahead) > SIGNED_AHEAD_MAX:
+                del self._signed_ahead[next(iter(self._signed_ahead))]
+
+    async def _presign(self, adapter_id: str | None, key: str, *, checksums: bool) -> str:
+        params = {"Bucket": self.bucket, "Key": key}
         if checksums:
             params["ChecksumMode"] = "ENABLED"
         url: str = await self._call(

@@ -3,7 +3,9 @@ parts written with positional writes, a CRC-32 of each part computed from the by
 land (combined into the file's), SHA-256 in order alongside when asked for, retries per part.
 The SHA-256 advances in the worker threads over the object's contiguous prefix: a chunk that
 lands at the hashed offset is hashed in the buffer it landed in; bytes that landed beyond the
-prefix are read back once it reaches them (`_PrefixHash`).
+prefix are read back once it reaches them (`_PrefixHash`). An object of one part is fetched
+by one worker-thread job per attempt (`_OnePart`): its range opened, the file created, the bytes
+copied, checked and hashed, the file fsynced.
 
 Knows nothing of S3: the registry hands in `open_range`, which opens one ranged read. The bytes
 move in worker threads (socket -> buffer -> file, the GIL released in each system call), so
@@ -393,6 +395,10 @@ async def download(
     fsynced before returning. On any error the partial file is left for the caller to delete
     with its staging folder.
     """
+    if _one_job(size_bytes, policy, sha256):
+        one = _OnePart(open_range, size_bytes, sha256 is True, inspect, dest=dest)
+        await _fetch_one_part(one, policy, on_bytes, owned_fds)
+        return one.digests()
     threads = _Threads(policy.executor)
     try:
         fd = await threads.acquire(os.close, _open_presized, dest, size_bytes)
@@ -444,6 +450,10 @@ async def download_bytes(
     """The object into memory, with its CRC-32 and SHA-256: the same ranged parts, retries and
     checks as `download`, nothing written to disk. For the few small files judged before room
     is reserved; the caller bounds `size_bytes` (it is allocated at once)."""
+    if _one_job(size_bytes, policy, True):
+        one = _OnePart(open_range, size_bytes, True, None, buffer=bytearray(size_bytes))
+        await _fetch_one_part(one, policy, on_bytes, owned_fds)
+        return one.data(), one.digests()
     threads = _Threads(policy.executor)
     buffer = bytearray(size_bytes)
     view = memoryview(buffer)
@@ -465,6 +475,148 @@ async def download_bytes(
             task.cancel()
         try:
             await asyncio.gather(*parts, return_exceptions=True)
+            await threads.drain()
+        finally:
+            for owned in owned_fds:
+                threads.close_when_idle(owned)
+
+
+def _one_job(size_bytes: int, policy: TransferPolicy, sha256: asyncio.Future[bool] | bool) -> bool:
+    """An object of one part whose hashing is decided already: one worker-thread job per
+    attempt (each hand-off waits for the event loop: a few-KB file took four)."""
+    return (size_bytes > 0 and isinstance(sha256, bool)
+            and len(part_starts(size_bytes, policy)) == 1)
+
+
+class _OnePart:
+    """An object of one part, fetched by one worker-thread job per attempt (`attempt`): the
+    range opened (its If-Match and checksum headers are the opener's), the file created on the
+    first attempt and opened again on a retry, each chunk written, CRC-32'd, SHA-256'd in order,
+    then handed to the inspector, the file fsynced and closed, all in that thread. A retry
+    resumes after the bytes already landed, as a ranged part does; each byte is hashed and
+    inspected once.
+
+    `abort()` (from the loop, the caller cancelled) wakes a read blocked in the job and makes a
+    range opened afterwards be aborted at once; the job still closes what it opened itself.
+    """
+
+    def __init__(self, open_range: OpenRange, size_bytes: int, sha256: bool,
+                 inspect: Inspector | None, *, dest: Path | None = None,
+                 buffer: bytearray | None = None) -> None:
+        self._open_range = open_range
+        self._size_bytes = size_bytes
+        self._digest = hashlib.sha256() if sha256 else None
+        self._inspect = inspect
+        self._dest = dest
+        self._buffer = buffer
+        self._created = False
+        self.reached = 0  # bytes landed, written and seen, in order from the first
+        self._crc = 0
+        self._lock = threading.Lock()  # guards _stream and _aborted
+        self._stream: RangeStream | None = None
+        self._aborted = False
+
+    def digests(self) -> Digests:
+        return Digests(self._crc, self._digest.hexdigest() if self._digest is not None else None)
+
+    def data(self) -> bytes:
+        assert self._buffer is not None
+        return bytes(self._buffer)
+
+    def abort(self) -> None:
+        with self._lock:
+            self._aborted = True
+            stream = self._stream
+        if stream is not None:
+            stream.abort()
+
+    def attempt(self) -> None:
+        """Worker thread: the rest of the object, from `reached`. Raises RegistryUnavailable
+        for a transient fault (what landed before it stays)."""
+        fd = -1
+        if self._dest is not None:
+            if self._created:
+                fd = os.open(self._dest, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            else:
+                fd = _open_presized(self._dest, self._size_bytes)
+                self._created = True
+        try:
+            self._copy(fd)
+            if fd >= 0:
+                os.fsync(fd)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _copy(self, fd: int) -> None:
+        stream = self._open_range(self.reached, self._size_bytes)
+        with self._lock:
+            self._stream, aborted = stream, self._aborted
+        if aborted:
+            stream.abort()
+            stream.close()
+            raise RegistryUnavailable("the download was given up", cause="cancelled")
+        try:
+            write = (functools.partial(_write_at, fd) if self._buffer is None
+                     else functools.partial(_put, memoryview(self._buffer)))
+            look = self._inspect.stream(self.reached) if self._inspect is not None else None
+            reached, self._crc, error = _copy_range(
+                stream, write, self.reached, self._size_bytes, self._crc, _ignore, look,
+                self._hash)
+            self.reached = reached
+            if error is not None:
+                raise error
+            if reached < self._size_bytes:
+                raise RegistryUnavailable(
+                    f"the registry ended a range {self._size_bytes - reached} bytes short",
+                    cause="short_body")
+        except BaseException:
+            with self._lock:
+                self._stream, aborted = None, self._aborted
+            if not aborted:
+                stream.abort()
+            stream.close()
+            raise
+        with self._lock:
+            self._stream = None
+        stream.close()
+
+    def _hash(self, offset: int, chunk: memoryview) -> None:
+        if self._digest is not None:
+            self._digest.update(chunk)
+
+
+def _ignore(offset_after: int, crc: int, count: int) -> None:
+    return None
+
+
+async def _fetch_one_part(one: _OnePart, policy: TransferPolicy,
+                          on_bytes: Callable[[int], None], owned_fds: tuple[int, ...]) -> None:
+    """`one`'s attempts, with the retries and backoff of a ranged part. The caller cancelled,
+    the job's read is aborted and the job waited for (a thread cannot be cancelled: nothing
+    writes into a stage's folder once the stage is gone)."""
+    threads = _Threads(policy.executor)
+    try:
+        attempt = 0
+        while True:
+            attempt += 1
+            before = one.reached
+            try:
+                async with policy.limiter:
+                    await threads.run(one.attempt)
+                return
+            except RegistryUnavailable as exc:
+                if attempt >= policy.attempts or not exc.retryable:
+                    raise
+                delay = backoff_s(attempt)
+                log.debug("retrying an object of one part from byte %d in %.2fs: %s",
+                          one.reached, delay, exc)
+                await asyncio.sleep(delay)
+            finally:
+                on_bytes(one.reached - before)
+    finally:
+        one.abort()
+        try:
             await threads.drain()
         finally:
             for owned in owned_fds:

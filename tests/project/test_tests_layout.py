@@ -24,7 +24,7 @@ UNMIRRORED = frozenset({  # may only shrink: a module added comes with its test
     "core/fsutil.py", "core/net.py", "core/options.py", "core/version.py", "process/app.py",
     "process/examples.py", "process/preflight.py",
     "registry/base.py", "registry/httpranges.py", "registry/kinds.py", "registry/listing.py",
-    "registry/proxies.py", "registry/s3.py", "registry/s3_client.py",
+    "registry/proxies.py",
     "registry/s3errors.py", "validation/adapter_config.py", "validation/oms.py",
     "validation/options.py", "validation/safetensors_check.py",
     "validation/shapes.py", "web/server.py",

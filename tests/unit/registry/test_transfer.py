@@ -5,6 +5,7 @@ object downloaded into memory."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import itertools
 import os
@@ -14,6 +15,7 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -569,3 +571,170 @@ async def test_a_download_into_memory_closes_the_descriptors_it_was_handed(
     assert (got, digests.crc32, digests.sha256) == (b"", 0, hashlib.sha256().hexdigest())
     await eventually(lambda: not _open_to(source), timeout_s=5, poll_s=0.01,
                      what="the handed descriptor closed")
+
+
+# ---- an object of one part: one worker-thread job per attempt ------------------------------
+
+
+class _CountingExecutor(concurrent.futures.ThreadPoolExecutor):
+    """A transfer executor that counts the jobs handed to it."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.jobs = 0
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        self.jobs += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+class _Seen:
+    """An inspector that records, per byte offset, how often each chunk's bytes were seen."""
+
+    def __init__(self) -> None:
+        self.bytes = bytearray()
+
+    def stream(self, offset: int) -> Callable[[int, memoryview], None]:
+        def look(at: int, chunk: memoryview) -> None:
+            assert at == len(self.bytes)  # in order, each byte once, across retries
+            self.bytes += chunk
+        return look
+
+
+@pytest.mark.parametrize("into", ["file", "memory"])
+async def test_an_object_of_one_part_is_fetched_by_one_worker_thread_job(
+    tmp_path: Path, into: str,
+) -> None:
+    executor = _CountingExecutor()
+    data = os.urandom(300_000)
+    policy = transfer.TransferPolicy(8 << 20, 1, asyncio.Semaphore(1), 1, executor)
+    landed: list[int] = []
+    seen = _Seen()
+    if into == "file":
+        got = await transfer.download(lambda start, end: _BytesRange(data, start, end),
+                                      tmp_path / "f", len(data), policy, landed.append,
+                                      sha256=True, inspect=seen)
+        assert (tmp_path / "f").read_bytes() == data
+        assert seen.bytes == data
+    else:
+        body, got = await transfer.download_bytes(
+            lambda start, end: _BytesRange(data, start, end), len(data), policy, landed.append)
+        assert body == data
+    assert executor.jobs == 1  # open, create, copy, hash, fsync: one hand-off
+    assert (got.crc32, got.sha256) == (zlib.crc32(data), hashlib.sha256(data).hexdigest())
+    assert sum(landed) == len(data)
+
+
+async def test_an_object_of_one_part_resumes_after_a_fault_each_byte_hashed_and_seen_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_BreaksOnce, "broken", False)
+    monkeypatch.setattr(transfer, "backoff_s", lambda attempt: 0.0)
+    opened: list[tuple[int, int]] = []
+    data = os.urandom(300_000)
+
+    def open_range(start: int, end: int) -> _BreaksOnce:
+        opened.append((start, end))
+        return _BreaksOnce(data, start, end)
+
+    seen = _Seen()
+    policy = transfer.TransferPolicy(8 << 20, 3, asyncio.Semaphore(1), 1)
+    got = await transfer.download(open_range, tmp_path / "f", len(data), policy, sha256=True,
+                                  inspect=seen)
+    assert _BreaksOnce.broken and len(opened) == 2
+    assert opened[0] == (0, len(data)) and 0 < opened[1][0] < len(data)  # resumed, not redone
+    assert seen.bytes == data
+    assert (got.crc32, got.sha256) == (zlib.crc32(data), hashlib.sha256(data).hexdigest())
+    assert (tmp_path / "f").read_bytes() == data
+
+
+async def test_a_transient_fault_of_one_part_is_retried_only_as_often_as_the_policy_allows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(transfer, "backoff_s", lambda attempt: 0.0)
+    opened: list[int] = []
+
+    def open_range(start: int, end: int) -> _BytesRange:
+        opened.append(start)
+        raise RegistryUnavailable("the registry did not answer in time", cause="timeout")
+
+    policy = transfer.TransferPolicy(8 << 20, 3, asyncio.Semaphore(1), 1)
+    with pytest.raises(RegistryUnavailable, match="in time"):
+        await transfer.download(open_range, tmp_path / "f", 1000, policy, sha256=True)
+    assert opened == [0, 0, 0]
+
+
+class _HeldRange(_BytesRange):
+    """A range whose first read blocks until aborted (a stalled registry)."""
+
+    def __init__(self, data: bytes, start: int, end: int, reading: threading.Event) -> None:
+        super().__init__(data, start, end)
+        self._reading = reading
+        self._woken = threading.Event()
+        self.ended: list[str] = []
+
+    def readinto(self, buffer: memoryview) -> int:
+        self._reading.set()
+        if not self._woken.wait(10):
+            raise AssertionError("never aborted")
+        raise RegistryUnavailable("the connection was shut down", cause="connection")
+
+    def abort(self) -> None:
+        self.ended.append("aborted")
+        self._woken.set()
+
+    def close(self) -> None:
+        self.ended.append("closed")
+
+
+async def test_a_cancelled_object_of_one_part_wakes_its_read_and_returns_after_its_thread(
+    tmp_path: Path,
+) -> None:
+    reading = threading.Event()
+    ranges: list[_HeldRange] = []
+
+    def open_range(start: int, end: int) -> _HeldRange:
+        ranges.append(_HeldRange(b"x" * 1000, start, end, reading))
+        return ranges[-1]
+
+    dest = tmp_path / "f"
+    policy = transfer.TransferPolicy(8 << 20, 5, asyncio.Semaphore(1), 1)
+    download = asyncio.create_task(
+        transfer.download(open_range, dest, 1000, policy, sha256=True))
+    assert await asyncio.to_thread(reading.wait, 10)
+    download.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await download
+    # The blocked read was woken, the range closed (never back to a pool half-read) and the
+    # file closed by its thread, all before the download returned; no retry after the cancel.
+    assert [r.ended for r in ranges] == [["aborted", "closed"]]
+    assert dest.exists() and not _open_to(dest)
+
+
+async def test_a_cancelled_object_of_one_part_waits_for_the_thread_that_writes_it(
+    tmp_path: Path,
+) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    class Held:
+        def stream(self, offset: int) -> Callable[[int, memoryview], None]:
+            def look(at: int, chunk: memoryview) -> None:
+                entered.set()
+                release.wait(10)
+            return look
+
+    data = os.urandom(3000)
+    dest = tmp_path / "f"
+    policy = transfer.TransferPolicy(8 << 20, 1, asyncio.Semaphore(1), 1)
+    download = asyncio.create_task(transfer.download(
+        lambda start, end: _BytesRange(data, start, end), dest, len(data), policy,
+        sha256=True, inspect=Held()))
+    assert await asyncio.to_thread(entered.wait, 10)
+    download.cancel()
+    for _ in range(5):
+        await asyncio.sleep(0)  # turns of the loop: the cancellation is seen meanwhile
+    assert not download.done()  # the thread still writes: the stage's folder must stay
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await download
+    assert dest.read_bytes() == data and not _open_to(dest)
