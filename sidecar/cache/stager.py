@@ -575,8 +575,9 @@ class Stager:
     async def _fetch_all(
         self, adapter_id: str, files: list[RemoteFile], staging: Path
     ) -> _Fetched:
-        """Every file, each hashed (SHA-256) as it lands, read back from the page cache: the
-        adapter's content digest, and the SHA256SUMS check without a second read."""
+        """Every file, each hashed (SHA-256) as it lands (in the buffer it arrived in, or once
+        from the page cache when a later part landed first): the adapter's content digest, and
+        the SHA256SUMS check without a second read."""
         def count(n: int) -> None:
             self._metrics.download_bytes.inc(n)
 
