@@ -427,16 +427,7 @@ async def download(
         await threads.run(os.fsync, fd)
         return Digests(progress.whole_crc32(), digest)
     finally:
-        for task in tasks:
-            task.cancel()
-        # A second cancellation may cut these waits short; the descriptor still outlives
-        # every thread that writes to it.
-        try:
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await threads.drain()
-        finally:
-            for owned in (fd, *owned_fds):
-                threads.close_when_idle(owned)
+        await _wind_down(tasks, threads, (fd, *owned_fds))
 
 
 async def download_bytes(
@@ -471,14 +462,22 @@ async def download_bytes(
         digest = await threads.run(hasher.finish)
         return bytes(buffer), Digests(progress.whole_crc32(), digest)
     finally:
-        for task in parts:
-            task.cancel()
-        try:
-            await asyncio.gather(*parts, return_exceptions=True)
-            await threads.drain()
-        finally:
-            for owned in owned_fds:
-                threads.close_when_idle(owned)
+        await _wind_down(parts, threads, owned_fds)
+
+
+async def _wind_down(tasks: list[asyncio.Task[Any]], threads: _Threads,
+                     fds: tuple[int, ...]) -> None:
+    """The end of every download, however it ended: its tasks cancelled and waited for, then
+    its worker threads; `fds` closed once no thread uses them. A second cancellation may cut
+    the waits short; the descriptors still outlive every thread that uses them."""
+    for task in tasks:
+        task.cancel()
+    try:
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await threads.drain()
+    finally:
+        for fd in fds:
+            threads.close_when_idle(fd)
 
 
 def _one_job(size_bytes: int, policy: TransferPolicy, sha256: asyncio.Future[bool] | bool) -> bool:
@@ -616,11 +615,7 @@ async def _fetch_one_part(one: _OnePart, policy: TransferPolicy,
                 on_bytes(one.reached - before)
     finally:
         one.abort()
-        try:
-            await threads.drain()
-        finally:
-            for owned in owned_fds:
-                threads.close_when_idle(owned)
+        await _wind_down([], threads, owned_fds)
 
 
 def _put(buffer: memoryview, chunk: memoryview, offset: int) -> None:

@@ -664,14 +664,13 @@ async def test_a_transient_fault_of_one_part_is_retried_only_as_often_as_the_pol
     assert opened == [0, 0, 0]
 
 
-class _HeldRange(_BytesRange):
+class _HeldRange(_OpenedRange):
     """A range whose first read blocks until aborted (a stalled registry)."""
 
-    def __init__(self, data: bytes, start: int, end: int, reading: threading.Event) -> None:
-        super().__init__(data, start, end)
+    def __init__(self, reading: threading.Event) -> None:
+        super().__init__()
         self._reading = reading
         self._woken = threading.Event()
-        self.ended: list[str] = []
 
     def readinto(self, buffer: memoryview) -> int:
         self._reading.set()
@@ -680,11 +679,8 @@ class _HeldRange(_BytesRange):
         raise RegistryUnavailable("the connection was shut down", cause="connection")
 
     def abort(self) -> None:
-        self.ended.append("aborted")
+        super().abort()
         self._woken.set()
-
-    def close(self) -> None:
-        self.ended.append("closed")
 
 
 async def test_a_cancelled_object_of_one_part_wakes_its_read_and_returns_after_its_thread(
@@ -694,7 +690,7 @@ async def test_a_cancelled_object_of_one_part_wakes_its_read_and_returns_after_i
     ranges: list[_HeldRange] = []
 
     def open_range(start: int, end: int) -> _HeldRange:
-        ranges.append(_HeldRange(b"x" * 1000, start, end, reading))
+        ranges.append(_HeldRange(reading))
         return ranges[-1]
 
     dest = tmp_path / "f"
