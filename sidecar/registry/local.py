@@ -1,22 +1,20 @@
 """A local folder as the registry (the embedded default): `<root>/<adapter_id>/<file>`.
 
-A file larger than one part is copied with the same transfer code as S3 objects (parallel
-ranges, retries); a smaller one is opened, checked, copied, hashed and fsynced by one
-worker-thread job. Nothing outside the root is ever read, symbolic links included.
+Files are copied with the same transfer code as S3 objects, so staging behaves the same (a
+file of one part is opened, checked, copied, hashed and fsynced by the transfer's one
+worker-thread job). Nothing outside the root is ever read, symbolic links included.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import logging
 import os
 import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
 from ..core.errors import (
     AdapterNotFound,
@@ -24,15 +22,13 @@ from ..core.errors import (
     RegistryUnavailable,
     SidecarError,
 )
-from ..core.filehash import crc32
-from ..core.fsutil import EntryKind, entry_kind, write_all
+from ..core.fsutil import EntryKind, entry_kind
 from ..core.ids import is_valid_adapter_id
 from .base import Entry, FetchedFile, Listing, RemoteFile, SkippedFolders, is_safe_file_name
 from .checksum import crc32_hex
 from .transfer import (
-    CHUNK_BYTES,
-    Digests,
     Inspector,
+    OpenRange,
     TransferPolicy,
     download,
     download_bytes,
@@ -42,7 +38,6 @@ from .transfer import (
 log = logging.getLogger(__name__)
 
 LOCATION = "a local folder"
-_T = TypeVar("_T")
 
 
 class LocalRegistry:
@@ -134,64 +129,40 @@ class LocalRegistry:
         self, adapter_id: str, file: RemoteFile, dest: Path, on_bytes: Callable[[int], None],
         *, inspect: Inspector | None = None, sha256: bool = False,
     ) -> FetchedFile:
-        if self._one_part(file):
-            try:
-                digests = await self._in_one_job(
-                    _copy_listed, file, adapter_id, dest, inspect, sha256)
-            except RegistryUnavailable:  # a read error of the registry's disk (the job deleted
-                pass  # what it wrote): the ranged path below retries it
-            else:
-                on_bytes(file.size_bytes)
-                return FetchedFile(crc32_hex(digests.crc32), digests.sha256)
-        fd = await self._open_listed(adapter_id, file)
+        open_range, owned = await self._opener(adapter_id, file)
         # The download closes the registry file once no worker thread reads it.
-        digests = await download(functools.partial(_FileRange, fd, file.locator, adapter_id),
-                                 dest, file.size_bytes, self._policy, on_bytes, sha256=sha256,
-                                 inspect=inspect, owned_fds=(fd,))
+        digests = await download(open_range, dest, file.size_bytes, self._policy, on_bytes,
+                                 sha256=sha256, inspect=inspect, owned_fds=owned)
         return FetchedFile(crc32_hex(digests.crc32), digests.sha256)
 
     async def fetch_bytes(
         self, adapter_id: str, file: RemoteFile, on_bytes: Callable[[int], None],
     ) -> tuple[bytes, FetchedFile]:
-        if self._one_part(file):
-            try:
-                data, digests = await self._in_one_job(_read_listed, file, adapter_id)
-            except RegistryUnavailable:  # a read error of the registry's disk: retried as parts
-                pass
-            else:
-                on_bytes(len(data))
-                return data, FetchedFile(crc32_hex(digests.crc32), digests.sha256)
-        fd = await self._open_listed(adapter_id, file)
-        data, digests = await download_bytes(
-            functools.partial(_FileRange, fd, file.locator, adapter_id), file.size_bytes,
-            self._policy, on_bytes, owned_fds=(fd,))
+        open_range, owned = await self._opener(adapter_id, file)
+        data, digests = await download_bytes(open_range, file.size_bytes, self._policy,
+                                             on_bytes, owned_fds=owned)
         return data, FetchedFile(crc32_hex(digests.crc32), digests.sha256)
 
-    def _one_part(self, file: RemoteFile) -> bool:
-        """A file the transfer code would fetch as one range: copied by one job instead (each
-        worker-thread hand-off waits for the event loop, and a file of a few KB took five)."""
-        return len(part_starts(file.size_bytes, self._policy)) == 1
-
-    async def _open_listed(self, adapter_id: str, file: RemoteFile) -> int:
-        """A descriptor of the file as it was listed (see `_open_listed` below)."""
-        return await self._in_one_job(_open_listed, file, adapter_id, release=os.close)
-
-    async def _in_one_job(self, job: Callable[..., _T], *args: Any,
-                          release: Callable[[_T], object] | None = None) -> _T:
-        """`job(*args)` in a transfer thread, within the download limiter. A thread cannot be
-        cancelled: a cancelled caller waits for it (nothing writes into a stage's folder once
-        the stage is gone), then `release`s what it returned."""
+    async def _opener(self, adapter_id: str, file: RemoteFile
+                      ) -> tuple[OpenRange, tuple[int, ...]]:
+        """How the transfer code opens the file's ranges, and the descriptors it must close.
+        A file of one part is opened by the transfer's one worker-thread job itself (each
+        hand-off waits for the event loop, and a file of a few KB took five); a larger one
+        is opened here once and its ranges share the descriptor."""
+        if len(part_starts(file.size_bytes, self._policy)) == 1:
+            return functools.partial(_open_range, file, adapter_id), ()
         loop = asyncio.get_running_loop()
         async with self._policy.limiter:
-            running = loop.run_in_executor(self._policy.executor, job, *args)
+            running = loop.run_in_executor(self._policy.executor, _open_listed, file,
+                                           adapter_id)
             try:
-                return await asyncio.shield(running)
-            except asyncio.CancelledError:
-                await asyncio.wait([running])
-                if (not running.cancelled() and running.exception() is None
-                        and release is not None):
-                    release(running.result())
+                fd = await asyncio.shield(running)
+            except asyncio.CancelledError:  # a thread cannot be cancelled: what it opened
+                await asyncio.wait([running])  # is closed once it has
+                if not running.cancelled() and running.exception() is None:
+                    os.close(running.result())
                 raise
+        return functools.partial(_FileRange, fd, file.locator, adapter_id), (fd,)
 
 
 def _open_listed(file: RemoteFile, adapter_id: str) -> int:
@@ -217,65 +188,19 @@ def _open_listed(file: RemoteFile, adapter_id: str) -> int:
     return fd
 
 
-def _read_into(source: _FileRange, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        got += source.readinto(view[got:])
-
-
-def _copy_listed(file: RemoteFile, adapter_id: str, dest: Path, inspect: Inspector | None,
-                 sha256: bool) -> Digests:
-    """Worker thread: the file as listed, copied to `dest` (created; fsynced) a buffer at a
-    time with its CRC-32, its SHA-256 when asked for, and each chunk handed to `inspect` last
-    (as the transfer code does). What it wrote is deleted if it fails."""
-    fd = _open_listed(file, adapter_id)
-    try:
-        out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            source = _FileRange(fd, file.locator, adapter_id, 0, file.size_bytes)
-            look = inspect.stream(0) if inspect is not None else None
-            digest = hashlib.sha256() if sha256 else None
-            buffer = memoryview(bytearray(min(CHUNK_BYTES, max(file.size_bytes, 1))))
-            crc = offset = 0
-            while offset < file.size_bytes:
-                chunk = buffer[:min(len(buffer), file.size_bytes - offset)]
-                _read_into(source, chunk)
-                write_all(out, chunk)
-                crc = crc32(chunk, crc)
-                if digest is not None:
-                    digest.update(chunk)
-                if look is not None:
-                    look(offset, chunk)
-                offset += len(chunk)
-            os.fsync(out)
-        except BaseException:
-            dest.unlink(missing_ok=True)
-            raise
-        finally:
-            os.close(out)
-    finally:
-        os.close(fd)
-    return Digests(crc, digest.hexdigest() if digest is not None else None)
-
-
-def _read_listed(file: RemoteFile, adapter_id: str) -> tuple[bytes, Digests]:
-    """Worker thread: the file as listed, into memory, with its CRC-32 and SHA-256 (the caller
-    bounds its listed size)."""
-    fd = _open_listed(file, adapter_id)
-    try:
-        data = bytearray(file.size_bytes)
-        _read_into(_FileRange(fd, file.locator, adapter_id, 0, file.size_bytes),
-                   memoryview(data))
-    finally:
-        os.close(fd)
-    return bytes(data), Digests(crc32(data), hashlib.sha256(data).hexdigest())
+def _open_range(file: RemoteFile, adapter_id: str, start: int, end: int) -> _FileRange:
+    """Blocking: a range of the file as listed, on a descriptor of its own that the range
+    closes (the one-part job's opener)."""
+    return _FileRange(_open_listed(file, adapter_id), file.locator, adapter_id, start, end,
+                      owns_fd=True)
 
 
 class _FileRange:
     """A range of a registry file, read with pread (position-free, so ranges share the fd)."""
 
-    def __init__(self, fd: int, locator: str, adapter_id: str, start: int, end: int) -> None:
-        self._fd, self._offset, self._end = fd, start, end
+    def __init__(self, fd: int, locator: str, adapter_id: str, start: int, end: int, *,
+                 owns_fd: bool = False) -> None:
+        self._fd, self._offset, self._end, self._owns_fd = fd, start, end, owns_fd
         self._locator, self._adapter_id = locator, adapter_id
 
     def readinto(self, buffer: memoryview) -> int:
@@ -295,7 +220,9 @@ class _FileRange:
         return got
 
     def close(self) -> None:
-        return None
+        if self._owns_fd:
+            self._owns_fd = False
+            os.close(self._fd)
 
     def abort(self) -> None:
         return None

@@ -531,23 +531,29 @@ class _OnePart:
 
     def attempt(self) -> None:
         """Worker thread: the rest of the object, from `reached`. Raises RegistryUnavailable
-        for a transient fault (what landed before it stays)."""
-        fd = -1
-        if self._dest is not None:
-            if self._created:
-                fd = os.open(self._dest, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-            else:
-                fd = _open_presized(self._dest, self._size_bytes)
-                self._created = True
+        for a transient fault (what landed before it stays). The range is opened before the
+        file is created: a source that fails at once leaves nothing behind."""
+        stream = self._open()
         try:
-            self._copy(fd)
+            fd = -1
+            if self._dest is not None:
+                if self._created:
+                    fd = os.open(self._dest, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+                else:
+                    fd = _open_presized(self._dest, self._size_bytes)
+                    self._created = True
+        except BaseException:
+            self._end(stream, failed=True)
+            raise
+        try:
+            self._copy(stream, fd)
             if fd >= 0:
                 os.fsync(fd)
         finally:
             if fd >= 0:
                 os.close(fd)
 
-    def _copy(self, fd: int) -> None:
+    def _open(self) -> RangeStream:
         stream = self._open_range(self.reached, self._size_bytes)
         with self._lock:
             self._stream, aborted = stream, self._aborted
@@ -555,6 +561,16 @@ class _OnePart:
             stream.abort()
             stream.close()
             raise RegistryUnavailable("the download was given up", cause="cancelled")
+        return stream
+
+    def _end(self, stream: RangeStream, *, failed: bool) -> None:
+        with self._lock:
+            self._stream, aborted = None, self._aborted
+        if failed and not aborted:
+            stream.abort()
+        stream.close()
+
+    def _copy(self, stream: RangeStream, fd: int) -> None:
         try:
             write = (functools.partial(_write_at, fd) if self._buffer is None
                      else functools.partial(_put, memoryview(self._buffer)))
@@ -570,15 +586,9 @@ class _OnePart:
                     f"the registry ended a range {self._size_bytes - reached} bytes short",
                     cause="short_body")
         except BaseException:
-            with self._lock:
-                self._stream, aborted = None, self._aborted
-            if not aborted:
-                stream.abort()
-            stream.close()
+            self._end(stream, failed=True)
             raise
-        with self._lock:
-            self._stream = None
-        stream.close()
+        self._end(stream, failed=False)
 
     def _hash(self, offset: int, chunk: memoryview) -> None:
         if self._digest is not None:

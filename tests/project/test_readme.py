@@ -221,6 +221,7 @@ ERROR_CAUSES: dict[tuple[str, str], str] = {
     ("registry_unavailable", "registry/s3_client.py:_transfer"): "unreachable",
     ("registry_unavailable", "registry/s3_client.py:sign"): "unreachable",
     ("registry_unavailable", "registry/transfer.py:_copy"): "unreachable",
+    ("registry_unavailable", "registry/transfer.py:_open"): "unreachable",
     ("registry_unavailable", "registry/transfer.py:_stream_part"): "unreachable",
     ("stage_timeout", "cache/stager.py:_await_stage"): "`timeout_s` ran out",
     ("unauthorized", "web/api.py:_authorize"): "missing or wrong bearer token",
