@@ -65,6 +65,7 @@ QUICK_SIMULATED: tuple[tuple[str, tuple[str, ...]], ...] = (
 QUICK_TIMED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("restart cost", ("benchmarks.restart", "--adapters", "2", "--size-mb", "2", "--runs", "1")),
     ("warm restart", ("benchmarks.warm_restart", "--adapters", "5", "--runs", "1")),
+    ("lease journal", ("benchmarks.lease_journal", "--quick")),
 )
 # --quick on moto and the shaped link: the clients whose every fetch starts a process of its
 # own (seconds each on a loaded machine) run on loopback s3rver only.
@@ -527,16 +528,16 @@ def finish_untimed_others(started: list[tuple[str, subprocess.Popen[str]]]) -> s
 
 
 def quick_timed_others(moto: S3Server, moto_log: Path, dest: Path) -> str:
-    """The restart benchmarks in their small modes, one after the other once the table's
-    phases are done (a failure stops the run), the warm restart on the run's moto (idle by
-    then), the restart cost in a folder beside `dest` (this run's, not another's); their
-    tables, for the report."""
+    """The restart and lease journal benchmarks in their small modes, one after the other
+    once the table's phases are done (a failure stops the run), the warm restart on the run's
+    moto (idle by then), the others each in a folder beside `dest` (this run's, not
+    another's); their tables, for the report."""
     out = []
     for title, arguments in QUICK_TIMED:
         log(f"quick: {title}")
         shared = (("--moto-url", moto.endpoint_url, "--moto-log", str(moto_log))
                   if arguments[0] == "benchmarks.warm_restart"
-                  else ("--dest", f"{dest}-restart"))
+                  else ("--dest", f"{dest}-{arguments[0].rsplit('.', 1)[1]}"))
         done = subprocess.run([sys.executable, "-m", *arguments, *shared], cwd=REPO,
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:

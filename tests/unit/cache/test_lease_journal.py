@@ -241,3 +241,47 @@ def test_past_the_cap_a_restart_keeps_the_newest_leases(tmp_path: Path) -> None:
     with pytest.raises(LeaseNotFound):
         again.release(leases[1].lease_id)
     assert again.release(leases[2].lease_id).adapter_id == "a"
+
+
+def test_lines_not_written_by_a_sidecar_are_skipped_and_end_no_lease(tmp_path: Path) -> None:
+    """A line damaged or written by something else (a bad id, a field that is not a whole
+    number, one missing, another kind) is skipped on its own: it neither takes a place under
+    the cap nor ends the lease of a digest it names."""
+    wall, monotonic = Clock(1_800_000_000.0), Clock(5_000.0)
+    store = journaled_store(tmp_path, wall, monotonic, "boot-1", max_leases=2)
+    first, second = store.lease("a"), store.lease("b")
+    journal = store.lease_journal
+    assert journal is not None
+    journal.flush()
+    taken = lease_digest(second.lease_id)
+    with open(tmp_path / LEASE_JOURNAL_NAME, "a") as f:
+        for line in (f"G {taken} ../a 60000 1800000000000 5000000",  # not an adapter id
+                     f"G {taken} a 6e4 1800000000000 5000000",  # not a whole number
+                     f"G {taken} a -60000 1800000000000 5000000",
+                     f"G {taken} a \uff166 1800000000000 5000000",  # a digit, not ASCII
+                     f"G {taken} a  1800000000000 5000000",  # a field missing
+                     f"G {taken} a 60000 1800000000000 5000000 extra",
+                     f"X {taken}", f"E {taken} extra", "E", ""):
+            f.write(line + "\n")
+    again = journaled_store(tmp_path, wall, monotonic, "boot-1", max_leases=2)
+    assert (again.lease_count("a"), again.lease_count("b")) == (1, 1)
+    assert again.release(first.lease_id).adapter_id == "a"
+    assert again.release(second.lease_id).adapter_id == "b"
+
+
+def test_a_merge_past_the_cap_keeps_the_newest_live_leases(tmp_path: Path) -> None:
+    """Many more grants than the cap, none released: the merge keeps exactly the newest
+    --max-leases, as the process that granted them did."""
+    wall, monotonic = Clock(1_800_000_000.0), Clock(5_000.0)
+    store = journaled_store(tmp_path, wall, monotonic, "boot-1", max_leases=50)
+    leases = [store.lease("a" if i % 3 else "b") for i in range(1_000)]
+    journal = store.lease_journal
+    assert journal is not None
+    assert journal.begin_compaction()
+    journal.merge()
+    again = journaled_store(tmp_path, wall, monotonic, "boot-1", max_leases=50)
+    assert again.live_lease_count == 50
+    for lease in leases[-50:]:
+        assert again.release(lease.lease_id).adapter_id == lease.adapter_id
+    with pytest.raises(LeaseNotFound):
+        again.release(leases[-51].lease_id)
