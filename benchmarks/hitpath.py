@@ -117,8 +117,9 @@ def compare(rounds: int, seconds: float, clients_list: list[int], dest: Path,
     load = " / ".join(" ".join(f"{x:.2f}" for x in avg) for avg in (load_before, load_after))
     lines = [f"\nPOST /stage hits, {rounds} alternating rounds of {seconds:g} s (medians); load "
              f"average 1/5/15 min at the start / the end: {load}\n",
-             "| server | clients | req/s | / bare | CPU µs/req | / bare CPU | CPU µs/req, runs |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+             "| server | clients | req/s | / bare | CPU µs/req | / bare CPU | p99 ms | "
+             "CPU µs/req, runs |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
     for clients in clients_list:
         bare_cell = median_of(runs[("bare aiohttp", clients)])
         for name in targets:
@@ -129,7 +130,7 @@ def compare(rounds: int, seconds: float, clients_list: list[int], dest: Path,
                 f"{m.requests_per_s / bare_cell.requests_per_s:.0%} | "
                 f"{m.cpu_us_per_request:.1f} | "
                 f"{bare_cell.cpu_us_per_request / m.cpu_us_per_request:.2f} | "
-                f"{', '.join(f'{r.cpu_us_per_request:.0f}' for r in cell)} |")
+                f"{m.p99_ms:.2f} | {', '.join(f'{r.cpu_us_per_request:.0f}' for r in cell)} |")
     return "\n".join(lines)
 
 

@@ -19,7 +19,8 @@ The robustness table draws each trace family anew for many seeds (10; --quick 3)
 requests, what a fresh sidecar sees), longer (2,000) and long enough for three changes of a
 hot set replaced every 2,000 (6,000; not in --quick), at rooms of 5%, 10% and 25%, and gives
 the min and median of each policy's ratio to Belady, so that no choice rests on one seed;
-beside them the top-k oracle (evicting by the whole trace's counts: what knowing popularity
+beside them exact LFU (evicting by exact counts so far, never aged: the online reference) and
+the top-k oracle (evicting by the whole trace's counts: what knowing popularity
 exactly would give a frequency policy).
 
 `--http` starts `python -m sidecar serve` on a local registry of tiny adapters, sends each
@@ -419,6 +420,22 @@ def top_k_oracle(requests: Sequence[str], sizes: dict[str, int], *, max_bytes: i
                     rank=lambda i: (total[requests[i]], i))
 
 
+def exact_lfu(requests: Sequence[str], sizes: dict[str, int], *, max_bytes: int,
+              max_adapters: int) -> Outcome:
+    """Online, inserting every miss: evict the adapter asked for least often so far, counted
+    exactly (never aged, never capped; ties: least recently used). The reference for an online
+    frequency policy on a stationary trace: what exact counts, without the future, give; on
+    short traces the counts are few and it stays below the top-k oracle, whose counts are the
+    whole trace's. Blind to shifts (counts never age)."""
+    so_far: dict[str, int] = {}
+    counts = []
+    for adapter_id in requests:
+        so_far[adapter_id] = so_far.get(adapter_id, 0) + 1
+        counts.append(so_far[adapter_id])
+    return _offline(requests, sizes, max_bytes=max_bytes, max_adapters=max_adapters,
+                    rank=lambda i: (counts[i], i))
+
+
 def robustness(seeds: int, lengths: Sequence[int] = ROBUST_LENGTHS,
                ) -> list[tuple[Family, int, dict[str, list[float]], list[float]]]:
     """Each family at each length, for every seed and room: each policy's hit ratio over
@@ -427,6 +444,7 @@ def robustness(seeds: int, lengths: Sequence[int] = ROBUST_LENGTHS,
     for family in families():
         for length in lengths:
             ratios: dict[str, list[float]] = {p.value: [] for p in POLICIES}
+            ratios["exact LFU"] = []
             ratios["top-k oracle"] = []
             bests = []
             for seed in range(seeds):
@@ -442,13 +460,16 @@ def robustness(seeds: int, lengths: Sequence[int] = ROBUST_LENGTHS,
                     oracle = top_k_oracle(trace.requests, trace.sizes, max_bytes=room[1],
                                           max_adapters=room[0])
                     ratios["top-k oracle"].append(oracle.hit_ratio / best)
+                    exact = exact_lfu(trace.requests, trace.sizes, max_bytes=room[1],
+                                      max_adapters=room[0])
+                    ratios["exact LFU"].append(exact.hit_ratio / best)
             out.append((family, length, ratios, bests))
     return out
 
 
 def print_robustness(results: list[tuple[Family, int, dict[str, list[float]], list[float]]],
                      seeds: int) -> None:
-    names = [*(p.value for p in POLICIES), "top-k oracle"]
+    names = [*(p.value for p in POLICIES), "exact LFU", "top-k oracle"]
     rooms = ", ".join(f"{f:.0%}" for f in ROBUST_ROOMS)
     print(f"\nrobustness: hit ratio / Belady's, min / median over {seeds} seeds x rooms of "
           f"{rooms}")
