@@ -66,6 +66,7 @@ QUICK_TIMED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("restart cost", ("benchmarks.restart", "--adapters", "2", "--size-mb", "2", "--runs", "1")),
     ("warm restart", ("benchmarks.warm_restart", "--adapters", "5", "--runs", "1")),
     ("lease journal", ("benchmarks.lease_journal", "--quick")),
+    ("catalog journal", ("benchmarks.catalog_journal", "--quick")),
 )
 # --quick on moto and the shaped link: the clients whose every fetch starts a process of its
 # own (seconds each on a loaded machine) run on loopback s3rver only.

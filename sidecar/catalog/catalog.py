@@ -405,11 +405,17 @@ class Catalog(StoreListener):
             return parked, NameEvent.RETURN
         if not self.spares_on:
             raise NoNameLeft(number, f"spare names are off ({self.spares_off})")
-        free = [s for s in generation.free_spares() if self._clean((number, s))]
-        if not free:
-            raise NoNameLeft(generation.number, "no spare name is left")
         # Random: which spare is bound next cannot be guessed by a direct caller of vllm_model.
-        return random.choice(free), NameEvent.BIND
+        # Drawn, then checked: a spare that is not clean is set aside and another drawn, so
+        # each clean spare is as likely, and a binding checks a few spares, not thousands.
+        free = generation.free_spares()
+        while free:
+            drawn = random.randrange(len(free))
+            if self._clean((number, free[drawn])):
+                return free[drawn], NameEvent.BIND
+            free[drawn] = free[-1]
+            free.pop()
+        raise NoNameLeft(generation.number, "no spare name is left")
 
     def _clean(self, key: tuple[int, str]) -> bool:
         """Whether a name at a no-op can be handed out: nothing says the engine opened it, and

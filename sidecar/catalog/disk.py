@@ -329,7 +329,7 @@ def read_catalog_journal(root: Path) -> CatalogJournal:
 def catalog_journal_bytes(journal: CatalogJournal) -> bytes:
     """The journal's text (on the loop: the caller writes it in a thread with
     write_catalog_journal)."""
-    return json.dumps(journal.to_json(), separators=(",", ":")).encode()
+    return journal.journal_text().encode()
 
 
 def write_catalog_journal(root: Path, data: bytes) -> None:

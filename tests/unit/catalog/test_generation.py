@@ -101,3 +101,32 @@ def journal_with(name: dict[str, Any], **top: Any) -> dict[str, Any]:
 def test_a_journal_that_cannot_be_trusted_is_refused(data: dict[str, Any], why: str) -> None:
     with pytest.raises(ValueError, match=why):
         CatalogJournal.from_json(data)
+
+
+def test_the_journal_text_is_the_whole_journal_encoded_after_any_changes() -> None:
+    """`journal_text` keeps each name's text from the last save it did not change in; after
+    every kind of change, in two generations, it is the journal encoded whole."""
+    old = Generation.render(1, [A1], 3, 1000.0)
+    new = Generation.render(2, [A1, A2], 4, 1500.0)
+    journal = CatalogJournal({1: old, 2: new}, current=2, loaded=1)
+
+    def whole() -> str:
+        return json.dumps(journal.to_json(), separators=(",", ":"))
+
+    assert journal.journal_text() == whole()
+    steps = [
+        (new, spare_name(2, 1), NameEvent.BIND, "staged: «naïve» \"quoted\"\n", A2_NEW),
+        (new, spare_name(2, 1), NameEvent.LEAVE, "evicted", None),
+        (old, spare_name(1, 2), NameEvent.READ, "the engine read its no-op", None),
+        (new, spare_name(2, 1), NameEvent.RETURN, "x" * 400, None),  # cut to 300
+        (new, "a2", NameEvent.LEAVE, "evicted", None),
+        (new, spare_name(2, 3), NameEvent.BIND, "staged", A2),
+    ]
+    for generation, name, event, why, version in steps:
+        generation.apply(name, event, why, version)
+        assert journal.journal_text() == whole()
+    old.retire_at, new.counts.burnt = 2000.5, 7  # fields outside the names, changed in place
+    journal.loaded = 2
+    assert journal.journal_text() == whole()
+    again = CatalogJournal.from_json(json.loads(journal.journal_text()))
+    assert again.journal_text() == journal.journal_text()
