@@ -52,7 +52,10 @@ class Generation:
         "_free",
         "_held",
         "_on_disk",
+        "_own",
         "_pending",
+        "_spares",
+        "_states",
         "counts",
         "names",
         "number",
@@ -74,6 +77,11 @@ class Generation:
         # name -> its entry in the journal's text, dropped when `apply` changes it: a save
         # encodes the names that changed, not thousands of spares (journal_text).
         self._encoded: dict[str, str] = {}
+        # A generation's names and which are spares never change after it is made; the names
+        # in each state are counted as `apply` moves them (the gauges, after every change).
+        self._own = frozenset(name for name, entry in self.names.items() if not entry.spare)
+        self._spares = len(self.names) - len(self._own)
+        self._states: dict[NameState, int] = dict.fromkeys(NameState, 0)
         for name, entry in self.names.items():
             self._index(name, entry)
 
@@ -115,23 +123,26 @@ class Generation:
     def free_spares(self) -> list[str]:
         return list(self._free)
 
+    def free_count(self) -> int:
+        return len(self._free)
+
     def in_state(self, *states: NameState) -> list[str]:
         return [name for name, entry in self.names.items() if entry.state in states]
 
-    def own_ids(self) -> set[str]:
+    def own_ids(self) -> frozenset[str]:
         """Adapter ids listed by their own names."""
-        return {name for name, entry in self.names.items() if not entry.spare}
+        return self._own
 
     def spare_count(self) -> int:
-        return sum(1 for entry in self.names.values() if entry.spare)
+        return self._spares
+
+    def count_in(self, state: NameState) -> int:
+        return self._states[state]
 
     def state_counts(self) -> dict[str, int]:
         """Names by state (retired ones left out)."""
-        counts = {state.value: 0 for state in NameState if state is not NameState.RETIRED}
-        for entry in self.names.values():
-            if entry.state.value in counts:
-                counts[entry.state.value] += 1
-        return counts
+        return {state.value: count for state, count in self._states.items()
+                if state is not NameState.RETIRED}
 
     # ---- changes ------------------------------------------------------------------------
 
@@ -172,6 +183,7 @@ class Generation:
         self._pending.discard(name)
 
     def _index(self, name: str, entry: Entry) -> None:
+        self._states[entry.state] += 1
         if entry.state is NameState.UNBOUND:
             self._free[name] = None
         if entry.version is not None and entry.state in HELD:
@@ -180,6 +192,7 @@ class Generation:
                 self._on_disk[entry.version.adapter_id] = name
 
     def _unindex(self, name: str, entry: Entry) -> None:
+        self._states[entry.state] -= 1
         self._free.pop(name, None)
         if entry.version is not None:
             if self._held.get(entry.version) == name:

@@ -220,7 +220,7 @@ class Naming:
             raise pending from None
         if event is NameEvent.BIND:
             self._metrics.catalog_bindings.inc()
-            left = len(generation.free_spares())
+            left = generation.free_count()
             log.info("catalog: adapter %s served without a reload as %s (generation %d, %d spare "
                      "names left)", adapter.adapter_id, name, generation.number, left,
                      extra=fields(event="bound", adapter_id=adapter.adapter_id, lora_name=name,

@@ -69,7 +69,7 @@ class CompactionPlanner:
     def check_spares(self, generation: Generation, spares_on: bool) -> None:
         if not spares_on:
             return
-        free = len(generation.free_spares())
+        free = generation.free_count()
         if free > self.compact_below(generation):
             return
         self.ask(CompactionReason.SPARES_LOW, compaction.spares_low_not_before(

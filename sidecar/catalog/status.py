@@ -131,7 +131,7 @@ def status(facts: CatalogFacts) -> dict[str, Any]:
             "noop_from": facts.noop_from or None,
             "generation": naming.number if naming else None,
             "total": naming.spare_count() if naming else 0,
-            "left": len(naming.free_spares()) if naming else 0,
+            "left": naming.free_count() if naming else 0,
             "bound": dict(sorted(bound_spares.items())),
             "parked": naming.in_state(NameState.PARKED) if naming else [],
             "burnt": naming.in_state(NameState.BURNT) if naming else [],
@@ -172,10 +172,10 @@ def show_gauges(metrics: Metrics, facts: CatalogFacts) -> None:
     current, naming = facts.current, facts.naming
     metrics.catalog_adapters.set(len(current.own_ids()) if current else 0)
     metrics.catalog_generation.set(current.number if current else 0)
-    metrics.catalog_spares_left.set(len(naming.free_spares()) if naming else 0)
+    metrics.catalog_spares_left.set(naming.free_count() if naming else 0)
     for state in NameState:
         metrics.catalog_names.labels(state=state.value).set(
-            sum(1 for e in naming.names.values() if e.state is state) if naming else 0)
+            naming.count_in(state) if naming else 0)
     metrics.catalog_disk_bytes.set(facts.catalog_bytes)
     if facts.engine is not None:
         for engine_state in EngineState:

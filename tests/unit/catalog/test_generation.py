@@ -130,3 +130,26 @@ def test_the_journal_text_is_the_whole_journal_encoded_after_any_changes() -> No
     assert journal.journal_text() == whole()
     again = CatalogJournal.from_json(json.loads(journal.journal_text()))
     assert again.journal_text() == journal.journal_text()
+
+
+def test_the_counts_kept_as_names_change_equal_a_recount() -> None:
+    """The gauges read counts kept by `apply`, not a pass over thousands of names: after each
+    change they equal a recount of the names."""
+    generation = Generation.render(1, [A1], 3, 1000.0)
+
+    def recount() -> dict[str, int]:
+        counts = dict.fromkeys((s.value for s in NameState if s is not NameState.RETIRED), 0)
+        for entry in generation.names.values():
+            if entry.state is not NameState.RETIRED:
+                counts[entry.state.value] += 1
+        return counts
+
+    steps = [(spare_name(1, 1), NameEvent.BIND, A2), (spare_name(1, 1), NameEvent.LEAVE, None),
+             (spare_name(1, 2), NameEvent.READ, None), ("a1", NameEvent.LEAVE, None),
+             (spare_name(1, 1), NameEvent.RETURN, None), (spare_name(1, 3), NameEvent.BIND, A1)]
+    for name, event, version in steps:
+        generation.apply(name, event, "why", version)
+        assert generation.state_counts() == recount()
+        assert generation.free_count() == len(generation.free_spares())
+    assert generation.count_in(NameState.BOUND) == 2 and generation.spare_count() == 3
+    assert generation.own_ids() == {"a1"}
