@@ -51,6 +51,7 @@ class Generation:
         "_encoded",
         "_free",
         "_held",
+        "_held_ids",
         "_on_disk",
         "_own",
         "_pending",
@@ -71,6 +72,7 @@ class Generation:
         self.names: dict[str, Entry] = dict(names)  # in multi_lora.json's order
         self.counts = counts or Counts()
         self._held: dict[Version, str] = {}  # version -> its bound or parked name
+        self._held_ids: dict[str, dict[Version, str]] = {}  # the same, by adapter id
         self._on_disk: dict[str, str] = {}  # adapter id -> its bound name (one version on disk)
         self._free: dict[str, None] = {}  # unbound spares, in order
         self._pending: set[str] = set()  # bound, but their link is not switched yet
@@ -113,8 +115,8 @@ class Generation:
         return self._held.get(version)
 
     def held_names_of(self, adapter_id: str) -> dict[Version, str]:
-        """Every version of this id that holds a name here (a miss's question: a scan)."""
-        return {v: name for v, name in self._held.items() if v.adapter_id == adapter_id}
+        """Every version of this id that holds a name here (a miss's question)."""
+        return dict(self._held_ids.get(adapter_id, {}))
 
     def bound_name_of(self, adapter_id: str) -> str | None:
         """The name whatever version of this id is on disk is bound under."""
@@ -188,6 +190,7 @@ class Generation:
             self._free[name] = None
         if entry.version is not None and entry.state in HELD:
             self._held[entry.version] = name
+            self._held_ids.setdefault(entry.version.adapter_id, {})[entry.version] = name
             if entry.state is NameState.BOUND:
                 self._on_disk[entry.version.adapter_id] = name
 
@@ -197,6 +200,10 @@ class Generation:
         if entry.version is not None:
             if self._held.get(entry.version) == name:
                 del self._held[entry.version]
+                of_id = self._held_ids[entry.version.adapter_id]
+                del of_id[entry.version]
+                if not of_id:
+                    del self._held_ids[entry.version.adapter_id]
             if self._on_disk.get(entry.version.adapter_id) == name:
                 del self._on_disk[entry.version.adapter_id]
 

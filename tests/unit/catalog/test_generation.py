@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from sidecar.catalog.generation import CatalogJournal, Generation, spare_name
-from sidecar.catalog.name_state import BadTransition, NameEvent, NameState, Version
+from sidecar.catalog.name_state import HELD, BadTransition, NameEvent, NameState, Version
 
 A1 = Version("a1", "sha256:" + "1" * 64)
 A2 = Version("a2", "sha256:" + "2" * 64)
@@ -133,8 +133,8 @@ def test_the_journal_text_is_the_whole_journal_encoded_after_any_changes() -> No
 
 
 def test_the_counts_kept_as_names_change_equal_a_recount() -> None:
-    """The gauges read counts kept by `apply`, not a pass over thousands of names: after each
-    change they equal a recount of the names."""
+    """The gauges read counts kept by `apply`, and a miss the held names of its id, not a pass
+    over thousands of names: after each change they equal a recount of the names."""
     generation = Generation.render(1, [A1], 3, 1000.0)
 
     def recount() -> dict[str, int]:
@@ -151,5 +151,10 @@ def test_the_counts_kept_as_names_change_equal_a_recount() -> None:
         generation.apply(name, event, "why", version)
         assert generation.state_counts() == recount()
         assert generation.free_count() == len(generation.free_spares())
+        for adapter_id in ("a1", "a2"):  # the held names by id, kept as they change
+            assert generation.held_names_of(adapter_id) == {
+                entry.version: held for held, entry in generation.names.items()
+                if entry.version is not None and entry.version.adapter_id == adapter_id
+                and entry.state in HELD}
     assert generation.count_in(NameState.BOUND) == 2 and generation.spare_count() == 3
     assert generation.own_ids() == {"a1"}
