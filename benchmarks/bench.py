@@ -14,6 +14,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -58,9 +59,13 @@ HIT_CLIENTS = (1, 8, 64)
 # --quick: the other benchmarks that need no engine, each in a small mode, after the table;
 # (title, arguments of `python -m`). A benchmark's breakage fails the quick run.
 # The routing simulator counts simulated hits (no clock): it runs beside the set-up.
+# The eviction policies' curves go to a file of this run's own, not the README's image.
+POLICY_SVG = Path(tempfile.gettempdir()) / f"lsbench-policy-curves-{os.getpid()}.svg"
 QUICK_SIMULATED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("routing simulator", ("benchmarks.routing_sim", "--nodes", "4", "--cache", "10",
                            "--requests", "2000")),
+    ("eviction policies", ("benchmarks.policy", "--quick", "--requests", "3000", "--seeds", "1",
+                           "--svg", str(POLICY_SVG))),
 )
 QUICK_TIMED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("restart cost", ("benchmarks.restart", "--adapters", "2", "--size-mb", "2", "--runs", "1")),
@@ -514,6 +519,8 @@ def finish_untimed_others(started: list[tuple[str, subprocess.Popen[str]]]) -> s
     out = []
     for title, proc in started:
         stdout, stderr = proc.communicate(timeout=300)
+        for curves in (POLICY_SVG, POLICY_SVG.with_suffix(".png")):
+            curves.unlink(missing_ok=True)
         if title == "engine":
             if proc.returncode != 0:
                 raise SystemExit(f"an engine benchmark does not import or parse its options:\n"

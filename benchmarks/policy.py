@@ -155,10 +155,11 @@ def slora(ids: list[str], alpha: float, length: int, seed: int) -> list[str]:
     return [ids[min(int(x * n), n - 1)] for x in draws]
 
 
-def traces(quick: bool) -> list[tuple[Trace, list[float]]]:
+def traces(quick: bool, requests: int | None = None) -> list[tuple[Trace, list[float]]]:
     """Every trace with the cache sizes it is run at (fractions of the registry's bytes, or
-    of its adapters for the equal-size ones)."""
-    length = 20_000 if quick else 100_000
+    of its adapters for the equal-size ones); `requests`: the long traces' length, when not
+    the default (100,000; --quick 20,000)."""
+    length = requests or (20_000 if quick else 100_000)
     rng = random.Random(SEED)
     n = 1000
     ids = [f"a{i}" for i in range(n)]
@@ -649,6 +650,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="--http: the policies to replay (comma-separated)")
     parser.add_argument("--seeds", type=int, default=None,
                         help="traces per family in the robustness table (default 10, --quick 3)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="length of the 1,000-adapter traces (default 100,000, --quick "
+                             "20,000); the suite's run uses a few thousand to see it all run")
     parser.add_argument("--robustness", action="store_true",
                         help="only the robustness table (no long traces, no curves)")
     parser.add_argument("--svg", type=Path, default=REPO / "benchmarks" / "policy-curves.svg",
@@ -665,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         print_robustness(robust, seeds)
         return 0
     rows = []
-    for trace, fractions in traces(args.quick):
+    for trace, fractions in traces(args.quick, args.requests):
         for fraction in fractions:
             rows.append(run_trace(trace, fraction))
         print(f"[{time.monotonic() - started:5.1f}s] {trace.name}", file=sys.stderr, flush=True)

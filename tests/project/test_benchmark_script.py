@@ -65,7 +65,8 @@ def test_the_quick_run_runs_every_benchmark() -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     tables = ["### Cold stage, loopback, s3rver", "### Cold stage, loopback, moto",
               "### Hit path", "### Memory", "### routing simulator", "### restart cost",
-              "### warm restart", "### lease journal", "### catalog journal"]
+              "### warm restart", "### lease journal", "### catalog journal",
+              "### eviction policies"]
     if os.geteuid() == 0:
         tables.append("### Cold stage, shaped link")
     missing = [table for table in tables if table not in result.stdout]
