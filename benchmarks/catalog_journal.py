@@ -15,13 +15,10 @@ Each checkout runs in a process of its own with its own sidecar package (the mea
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
-from .servers import holding
+from .servers import compared_checkouts, holding, run_in_checkout
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -90,24 +87,6 @@ asyncio.run(main())
 """
 
 
-def run_case(source: Path, folder: Path, spares: int, rounds: int) -> dict:
-    import shutil
-
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    env = {**os.environ, "PYTHONPATH": str(source.resolve())}
-    try:
-        done = subprocess.run([sys.executable, "-P", "-c", _CASE, str(folder), str(spares),
-                               str(rounds)], env=env, capture_output=True, text=True,
-                              timeout=900)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    if done.returncode != 0:
-        raise SystemExit(f"the catalog journal case failed under {source}:\n{done.stderr}")
-    result: dict = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.catalog_journal",
                                      description=__doc__,
@@ -123,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     spare_counts = [32, 512] if args.quick else [int(n) for n in args.spares.split(",")]
     rounds = 10 if args.quick else args.rounds
-    sources = [("this checkout", REPO)] + [
-        (label, Path(path)) for label, _, path in (c.partition("=") for c in args.compare)]
+    sources = [("this checkout", REPO), *compared_checkouts(args.compare)]
     with holding(args.dest):
         print(f"Medians over up to {rounds} stages of new adapters, each evicted after (its "
               "name parked), a spare bound at each stage; ms of the event loop per call\n")
@@ -133,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         print("|---:|---|---:|---:|---:|---:|")
         for spares in spare_counts:
             for label, source in sources:
-                r = run_case(source, args.dest / "case", spares, min(rounds, spares // 2 - 3))
+                r = run_in_checkout(source, _CASE, str(args.dest / "case"), str(spares),
+                                    str(min(rounds, spares // 2 - 3)),
+                                    folder=args.dest / "case")
                 print(f"| {spares:,} | {label} | {r['stage_ms']:.2f} | {r['journal_kb']:.0f} | "
                       f"{r['encode_ms']:.3f} | {r['pick_ms']:.3f} |", flush=True)
     return 0

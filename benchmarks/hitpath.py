@@ -150,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", action="append", default=[], metavar="LABEL=PATH",
                         help="also the sidecar package of another checkout (repeatable)")
     args = parser.parse_args(argv)
-    compared = [(label, Path(path)) for label, _, path in
-                (spec.partition("=") for spec in args.compare)]
-    from .servers import holding
+    from .servers import compared_checkouts, holding
+
+    compared = compared_checkouts(args.compare)
 
     with holding(args.dest):
         print(compare(args.rounds, args.seconds, args.clients or [8, 64], args.dest, compared))

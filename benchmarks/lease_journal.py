@@ -16,15 +16,11 @@ it and reads it back in a process of its own; figures are process CPU seconds, t
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from .servers import holding
+from .servers import compared_checkouts, holding, run_in_checkout
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -60,20 +56,6 @@ print(json.dumps({"lines": lines, "kept": kept, "load_s": load_s, "merge_s": mer
 """
 
 
-def run_case(source: Path, folder: Path, grants: int, live: int, released: bool) -> dict:
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    env = {**os.environ, "PYTHONPATH": str(source.resolve())}
-    done = subprocess.run(
-        [sys.executable, "-P", "-c", _CASE, str(folder), str(grants), str(live),
-         "1" if released else "0"], env=env, capture_output=True, text=True, timeout=900)
-    shutil.rmtree(folder, ignore_errors=True)
-    if done.returncode != 0:
-        raise SystemExit(f"the lease journal case failed under {source}:\n{done.stderr}")
-    result: dict = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.lease_journal",
                                      description=__doc__,
@@ -94,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         (f"{400_000 // scale:,} leases, none released (cap {live:,})", 400_000 // scale, live,
          False),
     ]
-    sources = [("this checkout", REPO)] + [
-        (label, Path(path)) for label, _, path in (c.partition("=") for c in args.compare)]
+    sources = [("this checkout", REPO), *compared_checkouts(args.compare)]
     with holding(args.dest):
         print(f"Median of {runs} process(es) per cell; CPU seconds of the merge (a thread of "
               "the sidecar) and of a restart's read-back of the same files\n")
@@ -103,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---:|---:|---:|---:|")
         for what, grants, cap, released in cases:
             for label, source in sources:
-                results = [run_case(source, args.dest / "journal", grants, cap, released)
+                results = [run_in_checkout(source, _CASE, str(args.dest / "journal"),
+                                           str(grants), str(cap), "1" if released else "0",
+                                           folder=args.dest / "journal")
                            for _ in range(runs)]
                 lines = results[0]["lines"]
                 merge = statistics.median(r["merge_s"] for r in results)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +19,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from . import link
@@ -41,6 +44,29 @@ def holding(dest: Path) -> Iterator[None]:
             raise SystemExit(f"another benchmark run is using {dest} (it holds {lock_path}): "
                              "wait for it to end, or give this one another --dest") from None
         yield
+
+
+def compared_checkouts(specs: Sequence[str]) -> list[tuple[str, Path]]:
+    """`--compare LABEL=PATH` arguments as (label, the checkout's root)."""
+    return [(label, Path(path)) for label, _, path in (spec.partition("=") for spec in specs)]
+
+
+def run_in_checkout(source: Path, script: str, *args: str, folder: Path,
+                    timeout_s: float = 900) -> dict[str, Any]:
+    """`python -c script *args` with the sidecar package of the checkout `source`, in `folder`
+    made empty for it and removed after; the JSON object its last line of output prints."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    env = {**os.environ, "PYTHONPATH": str(source.resolve())}
+    try:
+        done = subprocess.run([sys.executable, "-P", "-c", script, *args], env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if done.returncode != 0:
+        raise SystemExit(f"a benchmark case failed under {source}:\n{done.stderr}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
 
 
 class Supervisor:
