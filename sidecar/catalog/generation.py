@@ -51,7 +51,6 @@ class Generation:
         "_encoded",
         "_free",
         "_held",
-        "_held_ids",
         "_on_disk",
         "_own",
         "_pending",
@@ -71,8 +70,8 @@ class Generation:
         self.retire_at = retire_at  # unix; the folder is deleted after it
         self.names: dict[str, Entry] = dict(names)  # in multi_lora.json's order
         self.counts = counts or Counts()
-        self._held: dict[Version, str] = {}  # version -> its bound or parked name
-        self._held_ids: dict[str, dict[Version, str]] = {}  # the same, by adapter id
+        # adapter id -> {version: its bound or parked name}
+        self._held: dict[str, dict[Version, str]] = {}
         self._on_disk: dict[str, str] = {}  # adapter id -> its bound name (one version on disk)
         self._free: dict[str, None] = {}  # unbound spares, in order
         self._pending: set[str] = set()  # bound, but their link is not switched yet
@@ -112,11 +111,11 @@ class Generation:
 
     def held_name(self, version: Version) -> str | None:
         """The name this version is bound or parked under, if any."""
-        return self._held.get(version)
+        return self._held.get(version.adapter_id, {}).get(version)
 
     def held_names_of(self, adapter_id: str) -> dict[Version, str]:
         """Every version of this id that holds a name here (a miss's question)."""
-        return dict(self._held_ids.get(adapter_id, {}))
+        return dict(self._held.get(adapter_id, {}))
 
     def bound_name_of(self, adapter_id: str) -> str | None:
         """The name whatever version of this id is on disk is bound under."""
@@ -189,8 +188,7 @@ class Generation:
         if entry.state is NameState.UNBOUND:
             self._free[name] = None
         if entry.version is not None and entry.state in HELD:
-            self._held[entry.version] = name
-            self._held_ids.setdefault(entry.version.adapter_id, {})[entry.version] = name
+            self._held.setdefault(entry.version.adapter_id, {})[entry.version] = name
             if entry.state is NameState.BOUND:
                 self._on_disk[entry.version.adapter_id] = name
 
@@ -198,12 +196,11 @@ class Generation:
         self._states[entry.state] -= 1
         self._free.pop(name, None)
         if entry.version is not None:
-            if self._held.get(entry.version) == name:
-                del self._held[entry.version]
-                of_id = self._held_ids[entry.version.adapter_id]
+            of_id = self._held.get(entry.version.adapter_id, {})
+            if of_id.get(entry.version) == name:
                 del of_id[entry.version]
                 if not of_id:
-                    del self._held_ids[entry.version.adapter_id]
+                    del self._held[entry.version.adapter_id]
             if self._on_disk.get(entry.version.adapter_id) == name:
                 del self._on_disk[entry.version.adapter_id]
 
