@@ -101,31 +101,36 @@ class AgedLfu(EvictionPolicy):
         # The last RECENT requests of the ids asked for lately, newest first (cached or not;
         # at most HISTORY x cached ids, least recently asked dropped first; not saved either).
         self._recent: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._history_max = HISTORY_MIN
 
     def admitted(self, adapter: CachedAdapter, *, newest: bool) -> None:
         super().admitted(adapter, newest=newest)
         self._counts[adapter.adapter_id] = self.sketch.estimate(adapter.adapter_id)
         self._last[adapter.adapter_id] = self._requests
+        self._history_max = max(HISTORY * self._cached, HISTORY_MIN)
 
     def used(self, adapter_id: str) -> None:
-        self._requests += 1
-        if adapter_id in self._last:
-            self._last[adapter_id] = self._requests
-        count = self.sketch.add(adapter_id)
-        if self.sketch.halvings != self._halvings:
-            self._halvings = self.sketch.halvings
-            self._counts = {cached: self.sketch.estimate(cached) for cached in self._counts}
-        if adapter_id in self._counts:
+        # Called on every hit: locals and one membership test (hit path).
+        requests = self._requests = self._requests + 1
+        sketch = self.sketch
+        count = sketch.add(adapter_id)
+        if sketch.halvings != self._halvings:
+            self._halvings = sketch.halvings
+            self._counts = {cached: sketch.estimate(cached) for cached in self._counts}
+        if adapter_id in self._counts:  # cached: `_last` has the same ids
             self._counts[adapter_id] = count
+            self._last[adapter_id] = requests
         recent = self._recent
-        recent[adapter_id] = (self._requests, *recent.pop(adapter_id, ()))[:RECENT]
-        while len(recent) > max(HISTORY * self._cached, HISTORY_MIN):
+        times = recent.pop(adapter_id, None)
+        recent[adapter_id] = (requests,) if times is None else (requests, *times[:RECENT - 1])
+        while len(recent) > self._history_max:
             recent.popitem(last=False)
 
     def evicted(self, adapter_id: str) -> None:
         super().evicted(adapter_id)
         self._counts.pop(adapter_id, None)
         self._last.pop(adapter_id, None)
+        self._history_max = max(HISTORY * self._cached, HISTORY_MIN)
 
     def order(self, index: LruIndex, is_protected: IsProtected) -> Iterator[CachedAdapter]:
         counts, last, recent, now = self._counts, self._last, self._recent, self._requests

@@ -23,7 +23,7 @@ from ..core.logs import fields
 log = logging.getLogger(__name__)
 
 FREQUENCY_FILE_NAME = ".frequency"
-DEPTH = 4
+DEPTH = 4  # `add` reads the rows' four counters by name
 WIDTH = 1 << 17
 # Counts stop at 31: with halvings AGING (40) x adapters on disk apart, the adapters at the
 # edge of the room reach counts of 10-20, which a cap of 15 would flatten; a very popular
@@ -82,7 +82,8 @@ class FrequencySketch:
             self.since_halving = 1
         counters = self._counters
         slots = _slots(adapter_id)
-        new = min(map(counters.__getitem__, slots)) + 1  # no generator frame (hit path)
+        a, b, c, d = slots  # the DEPTH rows' counters, read without a call each (hit path)
+        new = min(counters[a], counters[b], counters[c], counters[d]) + 1
         if new > COUNTER_MAX:
             return COUNTER_MAX
         busy = self._busy

@@ -13,8 +13,8 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from ..core.bytelimit import ByteLimit, Held
 from ..core.errors import (
@@ -22,7 +22,6 @@ from ..core.errors import (
     CacheFull,
     CacheUnwritable,
     InvalidAdapter,
-    NotCached,
     RegistryObjectChanged,
     RegistryTransient,
     SidecarError,
@@ -117,8 +116,7 @@ class _Judged:
         return fetched
 
 
-@dataclass(frozen=True, slots=True)
-class StageResult:
+class StageResult(NamedTuple):  # a tuple, not a frozen dataclass: built on every hit
     adapter: CachedAdapter
     lease: Lease | None
     cached: bool  # true when the adapter was on disk already (a hit)
@@ -182,12 +180,13 @@ class Stager:
     def hit(self, adapter_id: str, *, lease: bool = True) -> StageResult | None:
         """The adapter leased (or touched) and counted as a hit when it is cached, without a
         wait; None when it is not (`stage` fetches it)."""
-        if self._store.get(adapter_id) is None:
+        adapter = self._store.get(adapter_id)
+        if adapter is None:
             return None
         started = time.perf_counter()
         result = "error"
         try:
-            staged = self._hand_out(adapter_id, lease, cached=True)
+            staged = self._hand_out(adapter, lease, cached=True)
             result = "hit"
             return staged
         finally:
@@ -217,8 +216,9 @@ class Stager:
                         "download goes on, ask again later",
                         adapter_id=adapter_id,
                     ) from None
-                if self._store.get(adapter_id) is not None:
-                    return self._hand_out(adapter_id, lease, cached=False)
+                adapter = self._store.get(adapter_id)
+                if adapter is not None:
+                    return self._hand_out(adapter, lease, cached=False)
                 # Forcibly evicted right after publication: stage it again.
                 log.info("adapter_id=%s was evicted before it could be leased; restaging",
                          adapter_id)
@@ -232,15 +232,14 @@ class Stager:
         log.info("pinned adapter_id=%s", adapter_id)
         return result
 
-    def _hand_out(self, adapter_id: str, lease: bool, *, cached: bool) -> StageResult:
+    def _hand_out(self, adapter: CachedAdapter, lease: bool, *, cached: bool) -> StageResult:
+        """`adapter`, cached (no await since it was looked up), leased or touched."""
+        adapter_id = adapter.adapter_id
         if lease:
             granted: Lease | None = self._store.lease(adapter_id)
         else:
             self._store.touch(adapter_id)
             granted = None
-        adapter = self._store.get(adapter_id)
-        if adapter is None:  # cannot happen: both calls above are synchronous
-            raise NotCached(f"adapter {adapter_id} vanished", adapter_id=adapter_id)
         if cached and log.isEnabledFor(logging.DEBUG):  # no fields built per hit otherwise
             log.debug("hit adapter_id=%s bytes=%d", adapter_id, adapter.size_bytes,
                       extra=fields(event="hit", adapter_id=adapter_id,

@@ -10,9 +10,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..cache.lru import CachedAdapter
 from ..cache.stager import Stager, StageResult
@@ -79,8 +78,7 @@ def version_of(adapter: CachedAdapter) -> Version:
     return Version(adapter.adapter_id, adapter.record.content_digest)
 
 
-@dataclass(frozen=True, slots=True)
-class Named:
+class Named(NamedTuple):  # a tuple, not a frozen dataclass: built on every hit
     """A staged adapter, and the name vLLM knows it by."""
 
     staged: StageResult
