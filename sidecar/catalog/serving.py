@@ -63,24 +63,19 @@ class Serving:
     def naming_generation(self) -> Generation:
         """The generation whose names requests use now: the one the serving engine loaded,
         or without reloads the one rendered. CatalogPending/CatalogReloading when none."""
-        journal = self._catalog.catalog_journal
-        if not self._reloads:
-            number = journal.current
-        else:
-            number = self._tracker.serving()
-            if number is None:
-                raise self._not_serving()
-        generation = self._catalog.generation(number)
-        if generation is None:
-            raise CatalogPending(
-                f"no catalog is rendered yet ({self._render_error() or 'starting'})")
-        return generation
+        generation = self.naming_or_none()
+        if generation is not None:
+            return generation
+        if self._reloads and self._tracker.serving() is None:
+            raise self._not_serving()
+        raise CatalogPending(f"no catalog is rendered yet ({self._render_error() or 'starting'})")
 
     def naming_or_none(self) -> Generation | None:
-        try:
-            return self.naming_generation()
-        except (CatalogPending, CatalogReloading):
-            return None
+        """`naming_generation`, or None when there is none (the hit path asks this, without an
+        exception to raise and catch)."""
+        number = (self._tracker.serving() if self._reloads
+                  else self._catalog.catalog_journal.current)
+        return None if number is None else self._catalog.generation(number)
 
     def _not_serving(self) -> CatalogPending | CatalogReloading:
         tracker, model, url = self._tracker, self.model, self._settings.triton_url
