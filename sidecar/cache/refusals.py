@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,8 +43,9 @@ class Refusals:
         self._not_found_ttl_s = not_found_ttl_s
         self._monotonic = monotonic
         self._refused: dict[str, _Refusal] = {}
-        # Ids asked for are the caller's choice, so this map is bounded.
-        self._not_found: dict[str, tuple[float, AdapterNotFound]] = {}
+        # Ids asked for are the caller's choice, so this map is bounded. One TTL for all, so
+        # in insertion order it is in expiry order: the oldest ends first, in O(1).
+        self._not_found: OrderedDict[str, tuple[float, AdapterNotFound]] = OrderedDict()
 
     def raise_if_remembered(self, adapter_id: str) -> None:
         """Before a stage: answer from memory a refusal checked within RELIST_REFUSED_S, or an
@@ -98,16 +100,16 @@ class Refusals:
         if self._not_found_ttl_s <= 0 or error.adapter_id is None:
             return
         now = self._monotonic()
-        if len(self._not_found) >= NOT_FOUND_MAX:
-            for adapter_id in [i for i, (until, _) in self._not_found.items() if until <= now]:
-                del self._not_found[adapter_id]
-            while len(self._not_found) >= NOT_FOUND_MAX:
-                del self._not_found[next(iter(self._not_found))]
+        missing = self._not_found
+        while missing and (next(iter(missing.values()))[0] <= now
+                           or len(missing) >= NOT_FOUND_MAX):
+            missing.popitem(last=False)  # expired, or the oldest past the bound
         remembered = AdapterNotFound(
             f"{error.message} (remembered for {self._not_found_ttl_s:g}s, "
             "--not-found-ttl: an adapter uploaded since is found once that has passed)",
             adapter_id=error.adapter_id)
-        self._not_found[error.adapter_id] = (now + self._not_found_ttl_s, remembered)
+        missing.pop(error.adapter_id, None)  # remembered again: last to expire
+        missing[error.adapter_id] = (now + self._not_found_ttl_s, remembered)
 
     def forget(self, adapter_id: str) -> bool:
         """Drop a remembered refusal (and "not found") so the next stage looks afresh; the

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -99,7 +100,7 @@ class Naming:
         self._metrics = metrics
         self._wall = wall
         # adapter id -> (the digest named before, the digest now, when it was seen, unix)
-        self._replaced: dict[str, tuple[str, str, float]] = {}
+        self._replaced: OrderedDict[str, tuple[str, str, float]] = OrderedDict()
 
     async def stage(self, adapter_id: str, *, timeout_s: float, lease: bool = True,
                     hold_s: float = 0.0, refused: EngineRefusal | None = None) -> Named:
@@ -241,7 +242,7 @@ class Naming:
         if known is not None and known[1] == version.digest:
             return
         if len(self._replaced) >= REPLACED_MAX:
-            self._replaced.pop(next(iter(self._replaced)))
+            self._replaced.popitem(last=False)  # the first noted (O(1), unlike a dict's first)
         self._replaced[version.adapter_id] = (others[0].digest, version.digest, self._wall())
         log.warning("catalog: the registry changed under adapter %s: its bytes are now %s, "
                     "names given for %s never lead to them; they get a new name",

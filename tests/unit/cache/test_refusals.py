@@ -84,3 +84,30 @@ def test_with_no_ttl_nothing_is_remembered() -> None:
     assert error.remembered_until is None
     memory.raise_if_remembered("a")
     memory.raise_if_remembered("x")
+
+
+def test_not_found_ids_stay_within_their_bound_the_soonest_to_expire_ending_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sidecar.cache.refusals.NOT_FOUND_MAX", 4)
+    clock = Clock()
+    memory = refusals(clock, not_found_ttl_s=10.0)
+
+    def missing(adapter_id: str) -> None:
+        memory.not_found(AdapterNotFound(f"no adapter {adapter_id!r}", adapter_id=adapter_id))
+
+    for adapter_id in ("a", "b", "c"):  # at 100, 101, 102
+        missing(adapter_id)
+        clock.now_s += 1.0
+    missing("b")  # again at 103: b now expires last of the three
+    missing("d")
+    missing("e")  # the bound: a, the soonest to expire, goes
+    missing("f")  # then c, not b
+    for forgotten in ("a", "c"):
+        memory.raise_if_remembered(forgotten)  # the caller lists the registry
+    for adapter_id in ("b", "d", "e", "f"):
+        with pytest.raises(AdapterNotFound):
+            memory.raise_if_remembered(adapter_id)
+
+    clock.now_s = 113.0  # every one remembered at 103 has expired: they go at the next
+    missing("g")
+    assert list(memory._not_found) == ["g"]
