@@ -197,7 +197,6 @@ ERROR_CAUSES: dict[tuple[str, str], str] = {
     ("lease_not_found", "cache/leases.py:release"): "no such live lease",
     ("method_not_allowed", "web/api.py:_method_not_allowed"): "takes another method",
     ("method_not_allowed", "web/api.py:refuse"): "takes another method",
-    ("not_cached", "cache/stager.py:_hand_out"): "evicted by force in the instant it was staged",
     ("not_cached", "cache/store.py:evict"): "not on disk (`POST /evict`",
     ("not_cached", "web/api.py:get_adapter"): "`GET /adapters/{id}`",
     ("not_found", "web/api.py:_not_found"): "no such endpoint",
