@@ -192,6 +192,15 @@ async def _read_body(request: web.Request) -> bytes:
 
 async def _body(request: web.Request, services: Services, kind: str) -> dict[str, Any]:
     """The JSON object of a request, checked against the endpoint's fields and types."""
+    body = _body_at_hand(request, services, kind)
+    return body if body is not None else _checked(await _read_body(request), kind)
+
+
+def _body_at_hand(request: web.Request, services: Services,
+                  kind: str) -> dict[str, Any] | None:
+    """`_body` when the body has arrived (the usual case: it came with the head): taken as it
+    lies, without the coroutines of `request.read()`, a timer or a coroutine of its own (hit
+    path); None while it is still arriving. The headers are judged first either way."""
     # The header as sent is compared first: parsing it is for the rare other spelling.
     if (request.headers.get("Content-Type") != "application/json"
             and request.content_type != "application/json"):
@@ -203,16 +212,18 @@ async def _body(request: web.Request, services: Services, kind: str) -> dict[str
     if declared is not None and declared > limit:  # at once, not after reading up to the cap
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=declared)
     content = request.content
-    if content.is_eof():
-        # The usual case: the body came with the head, and is taken as it lies, without the
-        # coroutines of `request.read()` or a timer (hit path).
-        raw = content.read_nowait()
-        while not content.at_eof():  # a buffer refilled as it was drained
-            raw += content.read_nowait()
-        if len(raw) > limit:
-            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
-    else:
-        raw = await _read_body(request)
+    if not content.is_eof():
+        return None
+    raw = content.read_nowait()
+    while not content.at_eof():  # a buffer refilled as it was drained
+        raw += content.read_nowait()
+    if len(raw) > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
+    return _checked(raw, kind)
+
+
+def _checked(raw: bytes, kind: str) -> dict[str, Any]:
+    """The request body's JSON object, checked against the endpoint's fields and types."""
     try:
         body = _parse_json(raw or b"null")
     except (ValueError, RecursionError):
@@ -390,7 +401,9 @@ def _stage_json(services: Services, named: Named) -> str:
 async def stage(request: web.Request) -> web.Response:
     services = _services(request)
     caller = _authorize(request, "stage", services)
-    body = await _body(request, services, "stage")
+    body = _body_at_hand(request, services, "stage")
+    if body is None:  # still arriving
+        body = await _body(request, services, "stage")
     adapter_id = check_adapter_id(body["adapter_id"])
     _in_scope(request, caller, "stage", adapter_id)
     timeout_s = _stage_timeout(services, body)

@@ -259,12 +259,18 @@ async def test_huge_or_too_many_headers_are_refused_with_4xx(
     assert (await call(http, "GET", f"{sidecar.url}/healthz"))[0] == 200
 
 
-async def raw_answer(port: int, head: bytes, body_part: bytes = b"") -> tuple[int, dict[str, Any]]:
-    """Send a request head and only part of its body; return the answer's status and JSON."""
+async def raw_answer(port: int, head: bytes, body_part: bytes = b"",
+                     later: bytes = b"") -> tuple[int, dict[str, Any]]:
+    """Send a request head and only part of its body (and, `later`, the rest after a pause
+    in which the handler waits for it); return the answer's status and JSON."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
         writer.write(head + body_part)
         await writer.drain()
+        if later:
+            await asyncio.sleep(0.3)
+            writer.write(later)
+            await writer.drain()
         status_line = await asyncio.wait_for(reader.readline(), 10)
         length = 0
         while (line := await asyncio.wait_for(reader.readline(), 10)) not in (b"\r\n", b""):
@@ -663,3 +669,23 @@ def test_fuzzed_requests_get_json_errors_never_a_500_and_the_sidecar_keeps_servi
     assert "unexpected error" not in fuzz_target.log_text()
     assert TOKEN not in fuzz_target.log_text()
     print(f"\nfuzzed answers by status: {dict(sorted(counts.items()))}")
+
+
+@pytest.mark.parametrize(("rest", "status", "error"), [
+    (b'"a"}', 200, None),
+    (b'"a", "bogus": 1}', 400, "invalid_request"),
+    (b'"a"', 400, "invalid_request"),
+], ids=["whole", "unknown_field", "malformed"])
+async def test_a_body_arriving_after_its_head_is_judged_as_one_sent_whole(
+    tmp_path: Path, start_sidecar: StartSidecar, rest: bytes, status: int, error: str | None
+) -> None:
+    local_registry_adapter(tmp_path, "a")
+    sidecar = await start_sidecar(make_settings(tmp_path))
+    first = b'{"adapter_id": '
+    answered, answer = await raw_answer(sidecar.port, _stage_head(len(first) + len(rest)),
+                                        first, later=rest)
+    assert answered == status, answer
+    if error is None:
+        assert answer["adapter_id"] == "a" and answer["lease_id"], answer
+    else:
+        assert answer["error"] == error, answer
