@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from ..cache.store import StoreListener
 from ..core.errors import CatalogPending
@@ -394,9 +395,11 @@ class Catalog(StoreListener):
                     self._note(self._switch(generation, name, NameEvent.LEAVE,
                                             "its adapter left the disk while it was named"))
                     continue
-                got = self._link(generation, name, entry, event)
-                if got is not None:
-                    return got, event
+                if not self._link(generation, name, entry):
+                    continue
+                if await self._linked_durably(generation, name, entry):
+                    self._note(Change(number, name, event, NameState.BOUND, version, entry.why))
+                    return name, event
 
     def _pick(self, generation: Generation, version: Version) -> tuple[str, NameEvent]:
         number = generation.number
@@ -425,30 +428,57 @@ class Catalog(StoreListener):
             return False
         return not self.reads.available or self.reads.is_watched(key)
 
-    def _link(self, generation: Generation, name: str, entry: Entry,
-              event: NameEvent) -> str | None:
+    def _link(self, generation: Generation, name: str, entry: Entry) -> bool:
         """Point a name just bound or returned at its version, then make sure the engine did
         not open its no-op before the switch (an open is queued before it returns). No await
-        from here on: nothing else can move the name meanwhile."""
+        from here on: nothing else can move the name meanwhile. False when it was burnt."""
         number, version = generation.number, entry.version
         assert version is not None
         key = (number, name)
         try:
-            disk.point_link(self.root, number, name, disk.adapter_target(version.adapter_id))
+            disk.point_link(self.root, number, name, disk.adapter_target(version.adapter_id),
+                            durable=False)
         except OSError as exc:
-            self._note(self._switch(generation, name, NameEvent.FAIL,
-                                    f"its link could not be made: {exc.strerror or exc}"))
-            raise CatalogPending(f"could not give adapter {version.adapter_id} a name: "
-                                 f"{exc.strerror or exc}", adapter_id=version.adapter_id) from exc
+            self._fail_link(generation, name, version, exc)
         self.reads.drain()
         if self.reads.judge.maybe_engine(key):
             self._note(self._switch(generation, name, NameEvent.FAIL,
                                     "its no-op was opened while it was being switched"))
-            return None
+            return False
         self.reads.unwatch(key)
+        return True
+
+    async def _linked_durably(self, generation: Generation, name: str, entry: Entry) -> bool:
+        """The switched link made durable in a worker thread, not on the loop (an fsync can
+        take milliseconds, and every hit would wait behind it); the name stays pending, so
+        no caller is given it, until then. False when the name moved meanwhile (the caller
+        looks again). A crash before the fsync leaves the binding journaled and the link at
+        the no-op, which the start-up repair burns."""
+        version = entry.version
+        assert version is not None
+        try:
+            await asyncio.to_thread(disk.sync_names, self.root, generation.number)
+        except OSError as exc:
+            if self._still_pending(generation, name):
+                self._fail_link(generation, name, version, exc)
+            raise CatalogPending(f"could not give adapter {version.adapter_id} a name: "
+                                 f"{exc.strerror or exc}", adapter_id=version.adapter_id) from exc
+        if not self._still_pending(generation, name):
+            return False  # parked, burnt or retired while the fsync ran
         generation.linked(name)
-        self._note(Change(number, name, event, NameState.BOUND, version, entry.why))
-        return name
+        return True
+
+    def _still_pending(self, generation: Generation, name: str) -> bool:
+        """Whether nothing moved a name since it was bound pending: every change of a name
+        ends its pending state, and only `name` (under the lock) makes one pending."""
+        return self.generation(generation.number) is generation and generation.is_pending(name)
+
+    def _fail_link(self, generation: Generation, name: str, version: Version,
+                   exc: OSError) -> NoReturn:
+        self._note(self._switch(generation, name, NameEvent.FAIL,
+                                f"its link could not be made: {exc.strerror or exc}"))
+        raise CatalogPending(f"could not give adapter {version.adapter_id} a name: "
+                             f"{exc.strerror or exc}", adapter_id=version.adapter_id) from exc
 
     # ---- the store's hooks (on the loop) ---------------------------------------------------
 

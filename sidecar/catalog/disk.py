@@ -229,9 +229,11 @@ def ensure_noop(root: Path, number: int, name: str, noop: NoopAdapter | None) ->
     return True
 
 
-def point_link(root: Path, number: int, name: str, target: str) -> None:
+def point_link(root: Path, number: int, name: str, target: str, *,
+               durable: bool = True) -> None:
     """Point a name's link at `target` (relative to names/), atomically: a reader sees the old
-    target or the new one. A few system calls."""
+    target or the new one. A few system calls; `durable` false leaves the folder's fsync to
+    the caller (`sync_names`)."""
     folder = names_dir(root, number)
     temporary = folder / f".{name}.{secrets.token_hex(4)}"
     os.symlink(target, temporary)
@@ -240,7 +242,13 @@ def point_link(root: Path, number: int, name: str, target: str) -> None:
     finally:
         if os.path.lexists(temporary):
             os.unlink(temporary)
-    fsync_dir(folder)
+    if durable:
+        fsync_dir(folder)
+
+
+def sync_names(root: Path, number: int) -> None:
+    """Make the links of generation `number` durable (blocking: run in a thread)."""
+    fsync_dir(names_dir(root, number))
 
 
 def link_target(root: Path, number: int, name: str) -> str | None:

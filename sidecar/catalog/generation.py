@@ -74,7 +74,7 @@ class Generation:
         self._held: dict[str, dict[Version, str]] = {}
         self._on_disk: dict[str, str] = {}  # adapter id -> its bound name (one version on disk)
         self._free: dict[str, None] = {}  # unbound spares, in order
-        self._pending: set[str] = set()  # bound, but their link is not switched yet
+        self._pending: set[str] = set()  # bound, their link not switched or not durable yet
         # name -> its entry in the journal's text, dropped when `apply` changes it: a save
         # encodes the names that changed, not thousands of spares (journal_text).
         self._encoded: dict[str, str] = {}
@@ -151,7 +151,8 @@ class Generation:
               version: Version | None = None, pending: bool = False) -> Entry:
         """Move a name through the state machine (BadTransition if it cannot take `event`);
         BIND needs the version. `pending`: bound in the journal, but its link still leads to
-        its no-op: never answered until `linked()`. Returns the entry as it is now."""
+        its no-op, or is not durable yet: never answered until `linked()`. Returns the entry
+        as it is now."""
         entry = self.names[name]
         self._encoded.pop(name, None)
         self._pending.discard(name)

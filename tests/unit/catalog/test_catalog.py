@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from sidecar.catalog import disk
 from sidecar.catalog.disk import read_catalog_journal
 from sidecar.catalog.name_state import NameState, Version
 from sidecar.core.errors import (
@@ -482,3 +483,65 @@ async def test_an_adapter_the_watcher_adopts_follows_the_catalogs_rule(
     sidecar.reloads.request_compaction()
     await sidecar.reloads.sync()
     assert "copied-v1" in sidecar.reloads.status()["adapter_ids"]
+
+
+async def test_a_slow_link_fsync_holds_no_hit_and_gives_no_one_the_name_before_it_ends(
+    world: World, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    world.add_adapters("warm", "new")
+    await serving(world)
+    assert world.naming is not None
+    warm = await world.stage("warm")
+    syncing, release = asyncio.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+    sync_names = disk.sync_names
+
+    def slow_sync(root: Path, number: int) -> None:  # a disk whose fsync takes its time
+        loop.call_soon_threadsafe(syncing.set)
+        asyncio.run_coroutine_threadsafe(release.wait(), loop).result(30)
+        sync_names(root, number)
+
+    monkeypatch.setattr(disk, "sync_names", slow_sync)
+    staging = asyncio.create_task(world.stage("new"))
+    await asyncio.wait_for(syncing.wait(), 30)
+    # The link is switched, its fsync under way: the loop answers hits of other adapters, and
+    # nobody is given the new name yet.
+    hit = world.naming.hit("warm", lease=False)
+    assert hit is not None and hit.lora_name == warm
+    assert world.naming.hit("new", lease=False) is None
+    second = asyncio.create_task(world.stage("new"))
+    await asyncio.sleep(0.05)
+    assert not staging.done() and not second.done()
+
+    release.set()
+    name = await asyncio.wait_for(staging, 30)
+    assert await asyncio.wait_for(second, 30) == name
+    assert world.link(name) == "../../../adapters/new"
+    assert world.state(name) is NameState.BOUND
+    hit = world.naming.hit("new", lease=False)
+    assert hit is not None and hit.lora_name == name
+
+
+async def test_a_link_that_cannot_be_made_durable_is_burnt_and_given_to_no_one(
+    world: World, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    world.add_adapter("a1")
+    await serving(world)
+    assert world.naming is not None
+    sync_names = disk.sync_names
+
+    def failing_sync(root: Path, number: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(disk, "sync_names", failing_sync)
+    with pytest.raises(CatalogPending) as caught:
+        await world.stage("a1")
+    assert "could not give adapter a1 a name" in str(caught.value)
+    assert "Input/output error" in str(caught.value)
+    burnt = [s for s in spares_of(world) if world.state(s) is NameState.BURNT]
+    assert len(burnt) == 1 and world.link(burnt[0]) == f"../noop/{burnt[0]}"
+    assert world.naming.hit("a1", lease=False) is None
+
+    monkeypatch.setattr(disk, "sync_names", sync_names)
+    name = await world.stage("a1")  # the disk is back: another spare, never the burnt one
+    assert name != burnt[0] and world.link(name) == "../../../adapters/a1"
