@@ -268,7 +268,7 @@ async def raw_answer(port: int, head: bytes, body_part: bytes = b"",
         writer.write(head + body_part)
         await writer.drain()
         if later:
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.3)  # the point: the handler has the head and waits for the rest
             writer.write(later)
             await writer.drain()
         status_line = await asyncio.wait_for(reader.readline(), 10)

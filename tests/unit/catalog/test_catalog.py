@@ -510,7 +510,7 @@ async def test_a_slow_link_fsync_holds_no_hit_and_gives_no_one_the_name_before_i
     assert hit is not None and hit.lora_name == warm
     assert world.naming.hit("new", lease=False) is None
     second = asyncio.create_task(world.stage("new"))
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0.05)  # time for a stage that did not wait for the fsync to end
     assert not staging.done() and not second.done()
 
     release.set()
