@@ -14,11 +14,10 @@ Each checkout runs in a process of its own with its own sidecar package (the mea
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from .servers import compared_checkouts, holding, run_in_checkout
+from .servers import checkout_cases_parser, compared_checkouts, holding, run_in_checkout
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -88,17 +87,11 @@ asyncio.run(main())
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.catalog_journal",
-                                     description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="32 and 512 spares, 10 rounds")
+    parser = checkout_cases_parser("catalog_journal", __doc__, quick="32 and 512 spares, 10 rounds",
+                                   dest=Path("/dev/shm/lsbench-catalog"), writes="caches")
     parser.add_argument("--rounds", type=int, default=60, help="stages per cell (60)")
     parser.add_argument("--spares", default="32,1000,4096",
                         help="spare names per generation, comma-separated (32,1000,4096)")
-    parser.add_argument("--compare", action="append", default=[], metavar="LABEL=PATH",
-                        help="also the sidecar package of another checkout (repeatable)")
-    parser.add_argument("--dest", type=Path, default=Path("/dev/shm/lsbench-catalog"),
-                        help="where the caches are written (default tmpfs)")
     args = parser.parse_args(argv)
     spare_counts = [32, 512] if args.quick else [int(n) for n in args.spares.split(",")]
     rounds = 10 if args.quick else args.rounds

@@ -137,6 +137,8 @@ def compare(rounds: int, seconds: float, clients_list: list[int], dest: Path,
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
+    from .servers import add_compare_option, compared_checkouts, holding
+
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.hitpath",
         description="POST /stage hits on a small adapter from a local folder, this sidecar "
@@ -147,11 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, action="append", default=[],
                         help="keep-alive clients per cell (repeatable; default 8 and 64)")
     parser.add_argument("--dest", type=Path, default=Path("/dev/shm/lsbench-hit"))
-    parser.add_argument("--compare", action="append", default=[], metavar="LABEL=PATH",
-                        help="also the sidecar package of another checkout (repeatable)")
+    add_compare_option(parser)
     args = parser.parse_args(argv)
-    from .servers import compared_checkouts, holding
-
     compared = compared_checkouts(args.compare)
 
     with holding(args.dest):

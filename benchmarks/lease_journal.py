@@ -15,12 +15,11 @@ it and reads it back in a process of its own; figures are process CPU seconds, t
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
 
-from .servers import compared_checkouts, holding, run_in_checkout
+from .servers import checkout_cases_parser, compared_checkouts, holding, run_in_checkout
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -57,15 +56,9 @@ print(json.dumps({"lines": lines, "kept": kept, "load_s": load_s, "merge_s": mer
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.lease_journal",
-                                     description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="journals 20x smaller, one run")
+    parser = checkout_cases_parser("lease_journal", __doc__, quick="journals 20x smaller, one run",
+                                   dest=Path("/dev/shm/lsbench-leases"), writes="journals")
     parser.add_argument("--runs", type=int, default=3, help="processes per cell (3)")
-    parser.add_argument("--compare", action="append", default=[], metavar="LABEL=PATH",
-                        help="also the sidecar package of another checkout (repeatable)")
-    parser.add_argument("--dest", type=Path, default=Path("/dev/shm/lsbench-leases"),
-                        help="where the journals are written (default tmpfs)")
     args = parser.parse_args(argv)
     scale = 20 if args.quick else 1
     runs = 1 if args.quick else args.runs

@@ -35,7 +35,7 @@ from sidecar.validation.shapes import ATTENTION_MODULES, TINY_LLAMA
 
 from .adapters import BUCKET, PREFIX, Adapter, AdapterSpec
 from .clients import SidecarStager, s3_client
-from .servers import S3Server, Supervisor, compared_checkouts, holding
+from .servers import S3Server, Supervisor, add_compare_option, compared_checkouts, holding
 
 SMALL = AdapterSpec("miss-tiny-r16-qkvo", 16, ATTENTION_MODULES, 7)
 COPY_CHUNK_BYTES = 1024 * 1024  # the sidecar's own buffer per range
@@ -319,8 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dest", type=Path, default=Path("/dev/shm/lsbench-miss"),
                         help="where the caches and copies go (default tmpfs; a folder on disk "
                         "adds the fsyncs' cost)")
-    parser.add_argument("--compare", action="append", default=[], metavar="LABEL=PATH",
-                        help="also the sidecar package of another checkout (repeatable)")
+    add_compare_option(parser)
     args = parser.parse_args(argv)
     compared = compared_checkouts(args.compare)
     with holding(args.dest):

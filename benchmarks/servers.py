@@ -6,6 +6,7 @@ benchmark ends for any reason.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import json
@@ -44,6 +45,25 @@ def holding(dest: Path) -> Iterator[None]:
             raise SystemExit(f"another benchmark run is using {dest} (it holds {lock_path}): "
                              "wait for it to end, or give this one another --dest") from None
         yield
+
+
+def add_compare_option(parser: argparse.ArgumentParser) -> None:
+    """`--compare LABEL=PATH`, read back by `compared_checkouts`."""
+    parser.add_argument("--compare", action="append", default=[], metavar="LABEL=PATH",
+                        help="also the sidecar package of another checkout (repeatable)")
+
+
+def checkout_cases_parser(module: str, doc: str | None, *, quick: str, dest: Path,
+                          writes: str) -> argparse.ArgumentParser:
+    """The options of a benchmark that runs its cases in each checkout (`run_in_checkout`):
+    `--quick`, `--compare` and `--dest` (where it `writes`, default tmpfs); it adds its own."""
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{module}", description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=quick)
+    add_compare_option(parser)
+    parser.add_argument("--dest", type=Path, default=dest,
+                        help=f"where the {writes} are written (default tmpfs)")
+    return parser
 
 
 def compared_checkouts(specs: Sequence[str]) -> list[tuple[str, Path]]:
