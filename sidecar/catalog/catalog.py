@@ -431,7 +431,7 @@ class Catalog(StoreListener):
     def _link(self, generation: Generation, name: str, entry: Entry) -> bool:
         """Point a name just bound or returned at its version, then make sure the engine did
         not open its no-op before the switch (an open is queued before it returns). No await
-        from here on: nothing else can move the name meanwhile. False when it was burnt."""
+        in between: nothing else can move the name meanwhile. False when it was burnt."""
         number, version = generation.number, entry.version
         assert version is not None
         key = (number, name)
@@ -461,8 +461,7 @@ class Catalog(StoreListener):
         except OSError as exc:
             if self._still_pending(generation, name):
                 self._fail_link(generation, name, version, exc)
-            raise CatalogPending(f"could not give adapter {version.adapter_id} a name: "
-                                 f"{exc.strerror or exc}", adapter_id=version.adapter_id) from exc
+            raise _no_name(version, exc) from exc
         if not self._still_pending(generation, name):
             return False  # parked, burnt or retired while the fsync ran
         generation.linked(name)
@@ -477,8 +476,7 @@ class Catalog(StoreListener):
                    exc: OSError) -> NoReturn:
         self._note(self._switch(generation, name, NameEvent.FAIL,
                                 f"its link could not be made: {exc.strerror or exc}"))
-        raise CatalogPending(f"could not give adapter {version.adapter_id} a name: "
-                             f"{exc.strerror or exc}", adapter_id=version.adapter_id) from exc
+        raise _no_name(version, exc) from exc
 
     # ---- the store's hooks (on the loop) ---------------------------------------------------
 
@@ -590,3 +588,9 @@ class Catalog(StoreListener):
 
     async def measure(self) -> None:
         self.disk_bytes = await asyncio.to_thread(disk.disk_bytes, self.root)
+
+
+def _no_name(version: Version, exc: OSError) -> CatalogPending:
+    """A name's link could not be made, or made durable."""
+    return CatalogPending(f"could not give adapter {version.adapter_id} a name: "
+                          f"{exc.strerror or exc}", adapter_id=version.adapter_id)
