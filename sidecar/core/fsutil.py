@@ -34,7 +34,13 @@ def entry_kind(mode: int) -> EntryKind:
 
 def iso_utc(unix_s: float) -> str:
     """`2026-12-02T14:28:52.178Z`"""
-    millis = int(unix_s * 1000)
+    return _iso_millis(int(unix_s * 1000))
+
+
+@functools.lru_cache(maxsize=256)
+def _iso_millis(millis: int) -> str:
+    # Kept: under load many leases granted in the same millisecond expire in the same one,
+    # and each /stage answer says when (hit path).
     return f"{_iso_seconds(millis // 1000)}.{millis % 1000:03d}Z"
 
 

@@ -11,6 +11,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, NoReturn, Protocol
 
 from aiohttp import web
@@ -145,6 +146,7 @@ class Services:
     triton_adapters_prefix: str = field(init=False)
     local_adapters_prefix: str = field(init=False)
     stage_fragments: dict[str, tuple[CachedAdapter, str]] = field(init=False, default_factory=dict)
+    stage_bodies: dict[bytes, Mapping[str, Any]] = field(init=False, default_factory=dict)
     metrics_handler: Handler = field(init=False)
 
     def __post_init__(self) -> None:
@@ -159,6 +161,8 @@ SERVICES = web.AppKey("services", Services)
 # What `text=..., content_type=` would set, given whole: aiohttp parses less (hit path).
 JSON_HEADERS = {"Content-Type": "application/json; charset=utf-8"}
 STAGE_FRAGMENTS_MAX = 4096  # encoded /stage answers kept, one per adapter id
+STAGE_BODIES_MAX = 4096  # /stage request bodies kept checked, by their bytes
+STAGE_BODY_KEPT_BYTES = 256  # the longest kept: an id and a few options, not a refusal's text
 
 
 # ---- request parsing -------------------------------------------------------------------
@@ -190,14 +194,15 @@ async def _read_body(request: web.Request) -> bytes:
         raise BadRequest("the connection closed before the request body arrived") from None
 
 
-async def _body(request: web.Request, services: Services, kind: str) -> dict[str, Any]:
+async def _body(request: web.Request, services: Services, kind: str) -> Mapping[str, Any]:
     """The JSON object of a request, checked against the endpoint's fields and types."""
     body = _body_at_hand(request, services, kind)
-    return body if body is not None else _checked(await _read_body(request), kind)
+    return body if body is not None else _checked_body(services, await _read_body(request),
+                                                       kind)
 
 
 def _body_at_hand(request: web.Request, services: Services,
-                  kind: str) -> dict[str, Any] | None:
+                  kind: str) -> Mapping[str, Any] | None:
     """`_body` when the body has arrived (the usual case: it came with the head): taken as it
     lies, without the coroutines of `request.read()`, a timer or a coroutine of its own (hit
     path); None while it is still arriving. The headers are judged first either way."""
@@ -219,7 +224,24 @@ def _body_at_hand(request: web.Request, services: Services,
         raw += content.read_nowait()
     if len(raw) > limit:
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(raw))
-    return _checked(raw, kind)
+    return _checked_body(services, raw, kind)
+
+
+def _checked_body(services: Services, raw: bytes, kind: str) -> Mapping[str, Any]:
+    """`_checked`, kept for /stage's short bodies: a caller such as the router sends the same
+    bytes for an adapter every time, and parsing and checking them again was a fifth of a hit's
+    own work (hit path; benchmarks/README.md). One object serves every request that sent the
+    same bytes, so it is read-only; a body that fails its check raises and is never kept."""
+    if kind != "stage" or len(raw) > STAGE_BODY_KEPT_BYTES:
+        return _checked(raw, kind)
+    kept = services.stage_bodies
+    body = kept.get(raw)
+    if body is None:
+        body = MappingProxyType(_checked(raw, kind))
+        if len(kept) >= STAGE_BODIES_MAX:
+            kept.clear()
+        kept[raw] = body
+    return body
 
 
 def _checked(raw: bytes, kind: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import re
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -689,3 +689,55 @@ async def test_a_body_arriving_after_its_head_is_judged_as_one_sent_whole(
         assert answer["adapter_id"] == "a" and answer["lease_id"], answer
     else:
         assert answer["error"] == error, answer
+
+
+async def test_a_stage_body_sent_again_is_judged_as_the_first_time_and_kept_bodies_are_bounded(
+    tmp_path: Path, start_sidecar: StartSidecar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checked /stage bodies the sidecar keeps by their bytes (hit path) change no answer:
+    the same bytes again get a fresh lease, a body refused is refused again and never kept,
+    another id or option is judged on its own, and the kept bodies stay within their bound."""
+    monkeypatch.setattr(api, "STAGE_BODIES_MAX", 8)
+    for adapter_id in ("a", "b"):
+        local_registry_adapter(tmp_path, adapter_id)
+    sidecar = await start_sidecar(make_settings(tmp_path))
+    assert sidecar._runner is not None
+    kept = sidecar._runner.app[api.SERVICES].stage_bodies
+
+    async def send(raw: bytes) -> tuple[int, dict[str, Any]]:
+        return await raw_answer(sidecar.port, _stage_head(len(raw)), raw)
+
+    plain = b'{"adapter_id": "a"}'
+    leases = set()
+    for _ in range(3):
+        status, answer = await send(plain)
+        assert status == 200 and answer["adapter_id"] == "a", answer
+        leases.add(answer["lease_id"])
+    assert len(leases) == 3 and None not in leases  # a lease per request, not per body
+    assert isinstance(kept[plain], Mapping) and not isinstance(kept[plain], dict)  # read-only
+
+    for refused in (b'{"adapter_id": "a", "bogus": 1}', b'{"adapter_id": "a", "timeout_s": 0}'):
+        for _ in range(2):
+            status, answer = await send(refused)
+            assert status == 400 and answer["error"] == "invalid_request", (refused, answer)
+        assert refused not in kept
+    for _ in range(2):  # well-formed, so kept; the id is still judged on every request
+        status, answer = await send(b'{"adapter_id": "../a"}')
+        assert status == 400 and answer["error"] == "invalid_adapter_id", answer
+
+    status, answer = await send(b'{"adapter_id": "a", "lease": false}')
+    assert status == 200 and answer["lease_id"] is None, answer
+    status, answer = await send(b'{"adapter_id": "b"}')
+    assert status == 200 and answer["adapter_id"] == "b" and answer["lease_id"], answer
+
+    long = b'{"adapter_id": "a"' + b" " * api.STAGE_BODY_KEPT_BYTES + b"}"
+    status, answer = await send(long)
+    assert status == 200 and answer["adapter_id"] == "a" and answer["lease_id"], answer
+    assert long not in kept
+
+    for timeout_s in range(1, 21):  # more distinct bodies than are kept
+        status, answer = await send(b'{"adapter_id": "b", "timeout_s": %d}' % timeout_s)
+        assert status == 200 and answer["adapter_id"] == "b", answer
+        assert len(kept) <= 8
+    status, answer = await send(plain)  # forgotten meanwhile: checked afresh
+    assert status == 200 and answer["adapter_id"] == "a" and answer["lease_id"] not in leases
