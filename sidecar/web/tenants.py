@@ -7,10 +7,9 @@ token (stages every id), and whether /stage needs a token at all. The operator's
 from __future__ import annotations
 
 import hashlib
-import hmac
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ TOKEN_MIN_CHARACTERS = 16
 
 
 def _digest(token: str) -> bytes:
-    """Tokens are compared as SHA-256 digests: constant time, whatever their lengths."""
+    """Tokens are looked up as SHA-256 digests: the same length, whatever theirs."""
     return hashlib.sha256(token.encode()).digest()
 
 
@@ -47,25 +46,30 @@ class Tenants:
     router_token_sha256: bytes | None = None
     stage_requires_token: bool = False
     path: Path | None = None  # None: no --tenants file, everything here is off
+    # The callers by their token's digest (each token is unique: `_token`).
+    _by_digest: dict[bytes, Tenant] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        by_digest = {tenant.token_sha256: tenant for tenant in self.tenants}
+        if self.router_token_sha256 is not None:
+            by_digest[self.router_token_sha256] = ROUTER
+        object.__setattr__(self, "_by_digest", by_digest)
 
     @property
     def on(self) -> bool:
         return self.path is not None
 
     def caller(self, token: str | None) -> Tenant | None:
-        """The tenant (or ROUTER) a bearer token belongs to; None for no or an unknown token."""
+        """The tenant (or ROUTER) a bearer token belongs to; None for no or an unknown token.
+
+        Looked up by the token's SHA-256 digest: comparing the digest with every entry cost
+        each request time in proportion to the tenants (24 µs at 600; a 64 KiB tenants file
+        holds about 900), on the hit path. The lookup's time does not depend on how much of a
+        guess matches a stored token: bytes are compared only where the digests' hashes meet,
+        and no one can steer a guess's digest toward a stored one."""
         if token is None:
             return None
-        given = _digest(token)
-        found = None
-        # Every entry compared, so the time taken does not say which one matched.
-        if self.router_token_sha256 is not None and hmac.compare_digest(
-                given, self.router_token_sha256):
-            found = ROUTER
-        for tenant in self.tenants:
-            if hmac.compare_digest(given, tenant.token_sha256):
-                found = tenant
-        return found
+        return self._by_digest.get(_digest(token))
 
     @classmethod
     def load(cls, path: Path) -> Tenants:

@@ -45,6 +45,23 @@ token = "{B_TOKEN}"
     assert tenants.on and tenants.stage_requires_token
 
 
+def test_a_file_of_800_tenants_gives_each_token_its_own_tenant(tmp_path: Path) -> None:
+    """Found by the token's digest (not by comparing every entry, whose cost grew with the
+    tenants on every request): each of 800 tokens is its own tenant, the router's is the
+    router, and near misses (a character more or less, another case) are no one."""
+    entries = "".join(f'[[tenants]]\nname = "t{i}"\nprefix = "t{i}-"\n'
+                      f'token = "tenant-{i:04d}-token"\n' for i in range(800))
+    tenants = Tenants.load(write(tmp_path, f'[router]\ntoken = "{ROUTER_TOKEN}"\n{entries}'))
+
+    assert len(tenants.tenants) == 800
+    for i in range(800):
+        found = tenants.caller(f"tenant-{i:04d}-token")
+        assert found is not None and found.name == f"t{i}" and found.owns(f"t{i}-x"), i
+    assert tenants.caller(ROUTER_TOKEN) is ROUTER
+    for near in ("tenant-0001-token ", "tenant-0001-toke", "Tenant-0001-token", "", " "):
+        assert tenants.caller(near) is None, near
+
+
 def test_without_a_file_nothing_applies() -> None:
     assert not Tenants().on
 
