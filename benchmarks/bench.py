@@ -72,6 +72,8 @@ QUICK_TIMED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("warm restart", ("benchmarks.warm_restart", "--adapters", "5", "--runs", "1")),
     ("lease journal", ("benchmarks.lease_journal", "--quick")),
     ("catalog journal", ("benchmarks.catalog_journal", "--quick")),
+    ("hit path with tenants", ("benchmarks.hitpath", "--rounds", "1", "--seconds", "1",
+                               "--clients", "8", "--tenants", "100")),
 )
 # --quick on moto and the shaped link: the clients whose every fetch starts a process of its
 # own (seconds each on a loaded machine) run on loopback s3rver only.

@@ -34,13 +34,16 @@ def process_cpu_s(pid: int) -> float:
 
 
 def run_wrk(
-    wrk: str, url: str, server_pid: int, adapter_id: str, clients: int, seconds: float
+    wrk: str, url: str, server_pid: int, adapter_id: str, clients: int, seconds: float,
+    authorization: str | None = None,
 ) -> LoadResult:
     argv = ["taskset", "-c", LOADGEN_CPU, wrk, "-t1", f"-c{clients}", f"-d{seconds:g}s",
             "-s", str(HERE / "stage.lua"), url + "/stage"]
+    env = {**os.environ, "LSBENCH_ADAPTER_ID": adapter_id}
+    if authorization is not None:
+        env["LSBENCH_AUTHORIZATION"] = authorization
     cpu_before = process_cpu_s(server_pid)
-    done = subprocess.run(argv, capture_output=True, text=True, check=True,
-                          env={**os.environ, "LSBENCH_ADAPTER_ID": adapter_id})
+    done = subprocess.run(argv, capture_output=True, text=True, check=True, env=env)
     cpu_s = process_cpu_s(server_pid) - cpu_before
     line = done.stdout.strip().splitlines()[-1]
     result = json.loads(line)
@@ -66,10 +69,22 @@ def median_of(results: list[LoadResult]) -> LoadResult:
     )
 
 
+ROUTER_TOKEN = "hitpath-router-token-0123456789"
+
+
+def write_tenants(path: Path, count: int) -> None:
+    """A --tenants file of `count` tenants and the router's token, which the load sends."""
+    entries = [f'[[tenants]]\nname = "t{i}"\nprefix = "t{i}-"\ntoken = "tenant-{i}-token-abcdef"\n'
+               for i in range(count)]
+    path.write_text(f'[router]\ntoken = "{ROUTER_TOKEN}"\n\n' + "\n".join(entries))
+
+
 def compare(rounds: int, seconds: float, clients_list: list[int], dest: Path,
-            compared: list[tuple[str, Path]]) -> str:
+            compared: list[tuple[str, Path]], tenants: int | None = None) -> str:
     """This checkout's sidecar (and others') beside the bare handler on the small adapter from
-    a local folder: rounds alternate which server goes first; medians of each figure."""
+    a local folder: rounds alternate which server goes first; medians of each figure. With
+    `tenants`, each sidecar runs with a --tenants file of that many and the load sends the
+    router's token (the bare handler checks none)."""
     import shutil
     import sys
 
@@ -82,13 +97,19 @@ def compare(rounds: int, seconds: float, clients_list: list[int], dest: Path,
     small = small_adapter(work / "adapters")
     shutil.rmtree(dest, ignore_errors=True)
     targets: dict[str, tuple[str, int]] = {}
+    extra: tuple[str, ...] = ()
+    authorization = None
+    if tenants is not None:
+        dest.mkdir(parents=True, exist_ok=True)
+        write_tenants(dest / "tenants.toml", tenants)
+        extra, authorization = ("--tenants", str(dest / "tenants.toml")), f"Bearer {ROUTER_TOKEN}"
     try:
         response = None
         for label, source in [("sidecar", REPO), *compared]:
             env = s3_env(os.environ, work)
             env["PYTHONPATH"] = str(source.resolve())
             sidecar = local_sidecar(sup, [sys.executable, "-P", "-m", "sidecar"],
-                                    work / "adapters", dest / f"cache-{label}", env, ())
+                                    work / "adapters", dest / f"cache-{label}", env, extra)
             response = sidecar.stage(small.adapter_id)
             name = label if label == "sidecar" else f"sidecar ({label})"
             targets[name] = (f"http://127.0.0.1:{sidecar.port}", sidecar.pid)
@@ -108,15 +129,16 @@ def compare(rounds: int, seconds: float, clients_list: list[int], dest: Path,
             shift = round_index % len(order)
             for clients in clients_list:
                 for name, (url, pid) in order[shift:] + order[:shift]:
-                    runs.setdefault((name, clients), []).append(
-                        run_wrk("wrk", url, pid, small.adapter_id, clients, seconds))
+                    runs.setdefault((name, clients), []).append(run_wrk(
+                        "wrk", url, pid, small.adapter_id, clients, seconds, authorization))
         load_after = os.getloadavg()
     finally:
         sup.stop_all()
         shutil.rmtree(dest, ignore_errors=True)
     load = " / ".join(" ".join(f"{x:.2f}" for x in avg) for avg in (load_before, load_after))
-    lines = [f"\nPOST /stage hits, {rounds} alternating rounds of {seconds:g} s (medians); load "
-             f"average 1/5/15 min at the start / the end: {load}\n",
+    who = "" if tenants is None else f", the router's token among {tenants} tenants"
+    lines = [f"\nPOST /stage hits{who}, {rounds} alternating rounds of {seconds:g} s (medians); "
+             f"load average 1/5/15 min at the start / the end: {load}\n",
              "| server | clients | req/s | / bare | CPU µs/req | / bare CPU | p99 ms | "
              "CPU µs/req, runs |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -149,12 +171,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, action="append", default=[],
                         help="keep-alive clients per cell (repeatable; default 8 and 64)")
     parser.add_argument("--dest", type=Path, default=Path("/dev/shm/lsbench-hit"))
+    parser.add_argument("--tenants", type=int, metavar="N",
+                        help="run the sidecars with a --tenants file of N tenants, the load "
+                        "sending the router's token")
     add_compare_option(parser)
     args = parser.parse_args(argv)
     compared = compared_checkouts(args.compare)
 
     with holding(args.dest):
-        print(compare(args.rounds, args.seconds, args.clients or [8, 64], args.dest, compared))
+        print(compare(args.rounds, args.seconds, args.clients or [8, 64], args.dest, compared,
+                      args.tenants))
     return 0
 
 

@@ -2,6 +2,9 @@
 wrk.method = "POST"
 wrk.body = '{"adapter_id": "' .. os.getenv("LSBENCH_ADAPTER_ID") .. '"}'
 wrk.headers["Content-Type"] = "application/json"
+if os.getenv("LSBENCH_AUTHORIZATION") then
+  wrk.headers["Authorization"] = os.getenv("LSBENCH_AUTHORIZATION")
+end
 
 function done(summary, latency, requests)
   local e = summary.errors

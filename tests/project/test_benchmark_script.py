@@ -66,7 +66,7 @@ def test_the_quick_run_runs_every_benchmark() -> None:
     tables = ["### Cold stage, loopback, s3rver", "### Cold stage, loopback, moto",
               "### Hit path", "### Memory", "### routing simulator", "### restart cost",
               "### warm restart", "### lease journal", "### catalog journal",
-              "### eviction policies"]
+              "### hit path with tenants", "### eviction policies"]
     if os.geteuid() == 0:
         tables.append("### Cold stage, shaped link")
     missing = [table for table in tables if table not in result.stdout]
