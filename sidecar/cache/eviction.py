@@ -107,7 +107,7 @@ class AgedLfu(EvictionPolicy):
         super().admitted(adapter, newest=newest)
         self._counts[adapter.adapter_id] = self.sketch.estimate(adapter.adapter_id)
         self._last[adapter.adapter_id] = self._requests
-        self._history_max = max(HISTORY * self._cached, HISTORY_MIN)
+        self._bound_history()
 
     def used(self, adapter_id: str) -> None:
         # Called on every hit: locals and one membership test (hit path).
@@ -130,6 +130,11 @@ class AgedLfu(EvictionPolicy):
         super().evicted(adapter_id)
         self._counts.pop(adapter_id, None)
         self._last.pop(adapter_id, None)
+        self._bound_history()
+
+    def _bound_history(self) -> None:
+        """The recent-request history's bound, kept as adapters come and go rather than
+        worked out on every request (hit path)."""
         self._history_max = max(HISTORY * self._cached, HISTORY_MIN)
 
     def order(self, index: LruIndex, is_protected: IsProtected) -> Iterator[CachedAdapter]:

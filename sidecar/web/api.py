@@ -12,7 +12,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol, TypeVar
 
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
@@ -163,6 +163,8 @@ JSON_HEADERS = {"Content-Type": "application/json; charset=utf-8"}
 STAGE_FRAGMENTS_MAX = 4096  # encoded /stage answers kept, one per adapter id
 STAGE_BODIES_MAX = 4096  # /stage request bodies kept checked, by their bytes
 STAGE_BODY_KEPT_BYTES = 256  # the longest kept: an id and a few options, not a refusal's text
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 
 # ---- request parsing -------------------------------------------------------------------
@@ -235,14 +237,20 @@ def _checked_body(services: Services, raw: bytes, kind: str) -> Mapping[str, Any
     raises and is never kept."""
     if kind != "stage" or len(raw) > STAGE_BODY_KEPT_BYTES:
         return _checked(raw, kind)
-    kept = services.stage_bodies
-    body = kept.get(raw)
+    body = services.stage_bodies.get(raw)
     if body is None:
-        body = MappingProxyType(_checked(raw, kind))
-        if len(kept) >= STAGE_BODIES_MAX:
-            kept.clear()
-        kept[raw] = body
+        body = _keep(services.stage_bodies, raw, MappingProxyType(_checked(raw, kind)),
+                     STAGE_BODIES_MAX)
     return body
+
+
+def _keep(table: dict[_K, _V], key: _K, value: _V, limit: int) -> _V:
+    """`table[key] = value`, the table emptied first when it holds `limit` entries: a bound
+    without bookkeeping, for values that are cheap to make again (hit path)."""
+    if len(table) >= limit:
+        table.clear()
+    table[key] = value
+    return value
 
 
 def _checked(raw: bytes, kind: str) -> dict[str, Any]:
@@ -392,8 +400,6 @@ def _stage_json(services: Services, named: Named) -> str:
     adapter = result.adapter
     cached = services.stage_fragments.get(adapter.adapter_id)
     if cached is None or cached[0] is not adapter:  # a restaged adapter is a new object
-        if len(services.stage_fragments) >= STAGE_FRAGMENTS_MAX:
-            services.stage_fragments.clear()
         fragment = json.dumps({
             "adapter_id": adapter.adapter_id,
             "path": services.triton_adapters_prefix + adapter.adapter_id,
@@ -405,8 +411,8 @@ def _stage_json(services: Services, named: Named) -> str:
             "signer_identity": (adapter.record.signature.identity
                                 if adapter.record.signature is not None else None),
         })[:-1]
-        cached = (adapter, fragment)
-        services.stage_fragments[adapter.adapter_id] = cached
+        cached = _keep(services.stage_fragments, adapter.adapter_id, (adapter, fragment),
+                       STAGE_FRAGMENTS_MAX)
     lease = result.lease
     if lease is None:
         lease_fields = '"lease_id": null, "lease_expires_at": null'
@@ -425,8 +431,8 @@ async def stage(request: web.Request) -> web.Response:
     services = _services(request)
     caller = _authorize(request, "stage", services)
     body = _body_at_hand(request, services, "stage")
-    if body is None:  # still arriving
-        body = await _body(request, services, "stage")
+    if body is None:  # still arriving; its head was judged
+        body = _checked_body(services, await _read_body(request), "stage")
     adapter_id = check_adapter_id(body["adapter_id"])
     _in_scope(request, caller, "stage", adapter_id)
     timeout_s = _stage_timeout(services, body)
